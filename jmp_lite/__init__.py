@@ -1,0 +1,52 @@
+"""jmp_lite: functional mixed-precision training for JAX, Flax and optax.
+
+A drop-in superset of DeepMind's ``jmp``: ``import jmp_lite as jmp`` runs code
+written for ``jmp`` 0.0.4.
+"""
+
+from jmp_lite import dtypes as dtypes
+from jmp_lite import struct as struct
+from jmp_lite._version import __version__ as __version__
+from jmp_lite.dtypes import half_dtype as half_dtype
+from jmp_lite.finite import all_finite as all_finite
+from jmp_lite.finite import select_tree as select_tree
+from jmp_lite.loss_scale import DynamicLossScale as DynamicLossScale
+from jmp_lite.loss_scale import LossScale as LossScale
+from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
+from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
+from jmp_lite.policy import Policy as Policy
+from jmp_lite.policy import cast_to_full as cast_to_full
+from jmp_lite.policy import cast_to_half as cast_to_half
+from jmp_lite.policy import get_policy as get_policy
+from jmp_lite.transforms import LossScaledState as LossScaledState
+from jmp_lite.transforms import NonFiniteHaltError as NonFiniteHaltError
+from jmp_lite.transforms import SkipNonfiniteState as SkipNonfiniteState
+from jmp_lite.transforms import current_loss_scale as current_loss_scale
+from jmp_lite.transforms import default_loss_scale as default_loss_scale
+from jmp_lite.transforms import loss_scaled as loss_scaled
+from jmp_lite.transforms import raise_if_halted as raise_if_halted
+from jmp_lite.transforms import skip_nonfinite as skip_nonfinite
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaledState",
+    "NonFiniteHaltError",
+    "NoOpLossScale",
+    "Policy",
+    "SkipNonfiniteState",
+    "StaticLossScale",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "current_loss_scale",
+    "default_loss_scale",
+    "dtypes",
+    "get_policy",
+    "half_dtype",
+    "loss_scaled",
+    "raise_if_halted",
+    "select_tree",
+    "skip_nonfinite",
+    "struct",
+)

@@ -1,0 +1,210 @@
+"""Floating dtypes: names, aliases, parsing, and the backend's half dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Canonical short name first: it is what ``str(Policy)`` prints.
+_ALIASES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float32): ("f32", "float32", "full", "fp32"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float16): ("f16", "float16", "fp16"),
+    np.dtype(jnp.float64): ("f64", "float64"),
+}
+_NAME_TO_DTYPE: dict[str, np.dtype] = {
+    name: dtype for dtype, names in _ALIASES.items() for name in names
+}
+
+VALID_DTYPE_NAMES = (
+    "float32 (f32, fp32, full), bfloat16 (bf16), float16 (f16, fp16, half),"
+    " float64 (f64)"
+)
+
+
+def half_dtype(device: Any = None) -> np.dtype:
+  """Returns the half-precision dtype that runs fast on ``device``.
+
+  bfloat16 on TPUs, on NVIDIA GPUs of compute capability 8.0 or newer
+  (Ampere, Hopper, Blackwell: bfloat16 tensor cores and float32's range, so no
+  loss scaling is needed) and on ROCm GPUs; float16 on older NVIDIA GPUs and,
+  as in ``jmp``, on the CPU.
+
+  Args:
+    device: a ``jax.Device``; defaults to ``jax.local_devices()[0]``.
+
+  Returns:
+    ``np.dtype(jnp.bfloat16)`` or ``np.dtype(jnp.float16)``.
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.half_dtype()  # on the CPU backend
+    dtype('float16')
+  """
+  if device is None:
+    device = jax.local_devices()[0]
+  platform = device.platform.lower()
+  if platform == "tpu":
+    return np.dtype(jnp.bfloat16)
+  if platform in ("gpu", "cuda"):
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:  # Not CUDA (ROCm reports platform "gpu" too).
+      return np.dtype(jnp.bfloat16)
+    major = int(str(capability).split(".")[0])
+    return np.dtype(jnp.bfloat16 if major >= 8 else jnp.float16)
+  if platform == "rocm":
+    return np.dtype(jnp.bfloat16)
+  return np.dtype(jnp.float16)
+
+
+def parse_dtype(value: str) -> np.dtype:
+  """Parses a dtype name or alias into a floating ``np.dtype``.
+
+  Accepts ``float32/f32/fp32/full``, ``bfloat16/bf16``,
+  ``float16/f16/fp16``, ``float64/f64``, ``half`` (the backend's
+  :func:`half_dtype`), and the full name of any other JAX floating dtype
+  (for example ``float8_e4m3fn``). Case and surrounding spaces are ignored.
+
+  Args:
+    value: the name to parse.
+
+  Returns:
+    The parsed ``np.dtype``.
+
+  Raises:
+    TypeError: if ``value`` is not a string.
+    ValueError: if ``value`` names no floating dtype; the message lists the
+      valid names.
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.dtypes.parse_dtype("bf16")
+    dtype(bfloat16)
+  """
+  if not isinstance(value, str):
+    raise TypeError(
+        f"Expected a dtype name (str), got {type(value).__name__}: {value!r}"
+    )
+  name = value.strip().lower()
+  if name == "half":
+    return half_dtype()
+  if name in _NAME_TO_DTYPE:
+    return _NAME_TO_DTYPE[name]
+  # Full names of the other floating dtypes (fp8 kinds), but not numpy's
+  # one-letter codes such as 'f' or 'e', which would be easy typos.
+  try:
+    dtype = jnp.dtype(name)
+  except TypeError:
+    dtype = None
+  if dtype is not None and dtype.name == name and _is_floating(dtype):
+    return dtype
+  raise ValueError(
+      f"Unknown dtype {value!r}; expected one of: {VALID_DTYPE_NAMES}"
+  )
+
+
+def canonical_name(dtype: Any) -> str:
+  """Returns the short name ``str(Policy)`` uses for ``dtype`` (``'bf16'``).
+
+  Args:
+    dtype: any dtype-like.
+
+  Returns:
+    ``f32``, ``bf16``, ``f16``, ``f64``, or the dtype's full name for others.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.dtypes.canonical_name(jnp.bfloat16)
+    'bf16'
+  """
+  dtype = np.dtype(dtype)
+  names = _ALIASES.get(dtype)
+  return names[0] if names else dtype.name
+
+
+def to_floating_dtype(value: Any, what: str) -> np.dtype:
+  """Canonicalises a dtype-like or alias string, requiring a real float.
+
+  Args:
+    value: a dtype, scalar type, or name accepted by :func:`parse_dtype`.
+    what: the argument's name, for error messages.
+
+  Returns:
+    The canonical ``np.dtype``.
+
+  Raises:
+    TypeError: if ``value`` is not a dtype, or is an integer, bool or complex
+      dtype.
+    ValueError: if ``value`` is a string naming no floating dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.dtypes.to_floating_dtype(jnp.float16, "compute_dtype")
+    dtype('float16')
+  """
+  if isinstance(value, str):
+    return parse_dtype(value)
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(
+        f"{what} must be a floating dtype ({VALID_DTYPE_NAMES}), got"
+        f" {value!r}"
+    ) from None
+  if not _is_floating(dtype):
+    raise TypeError(
+        f"{what} must be a floating dtype ({VALID_DTYPE_NAMES}), got"
+        f" {dtype.name}"
+    )
+  return dtype
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+  return dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_floating_array(x: Any) -> bool:
+  """True for numpy/JAX arrays (and numpy scalars) of a real floating dtype.
+
+  Python scalars, ``None``, integer, bool, complex and ``float0`` arrays and
+  arbitrary objects are not floating arrays: casts leave them alone.
+
+  Args:
+    x: any pytree leaf.
+
+  Returns:
+    Whether mixed-precision casts apply to ``x``.
+
+  Example:
+    >>> import numpy as np, jmp_lite
+    >>> jmp_lite.dtypes.is_floating_array(np.ones(2)), jmp_lite.dtypes.is_floating_array(1.0)
+    (True, False)
+  """
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return False
+  return _is_floating(np.dtype(x.dtype))
+
+
+def is_inexact_array(x: Any) -> bool:
+  """True for array leaves of a floating or complex dtype (never ``float0``).
+
+  These are the leaves loss scaling multiplies and finiteness checks read.
+
+  Args:
+    x: any pytree leaf.
+
+  Returns:
+    Whether ``x`` is an inexact array.
+
+  Example:
+    >>> import numpy as np, jmp_lite
+    >>> jmp_lite.dtypes.is_inexact_array(np.ones(2, np.complex64))
+    True
+  """
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return False
+  dtype = np.dtype(x.dtype)
+  return dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.inexact)

@@ -1,0 +1,131 @@
+"""Finiteness checks and predicate selection over pytrees, jit-safe."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import dtypes as _dtypes
+
+T = TypeVar("T")
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Returns one scalar bool: whether every inexact leaf of ``tree`` is finite.
+
+  Detects +inf, -inf and NaN in any floating (or complex) leaf of any dtype.
+  Integer, bool and ``float0`` leaves, ``None`` and non-array leaves are
+  ignored; an empty tree is finite. Each leaf costs one fused read
+  (``isfinite`` followed by an ``all`` reduction): there is no arithmetic
+  reduction such as a sum, which could overflow on large finite values and
+  report a false non-finite.
+
+  Args:
+    tree: a pytree of gradients (or anything).
+
+  Returns:
+    A ``bool`` scalar ``jax.Array``.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([1, 2])}))
+    True
+    >>> bool(jmp_lite.all_finite([jnp.array([1.0, jnp.inf])]))
+    False
+  """
+  flags = [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(tree)
+      if _dtypes.is_inexact_array(x)
+  ]
+  if not flags:
+    return jnp.array(True)
+  return functools.reduce(jnp.logical_and, flags)
+
+
+def _check_predicate(pred: Any) -> jax.Array:
+  if isinstance(pred, bool):
+    return jnp.asarray(pred)
+  dtype = getattr(pred, "dtype", None)
+  shape = getattr(pred, "shape", None)
+  if dtype is None or shape is None:
+    raise TypeError(
+        f"Expected a scalar bool predicate, got {type(pred).__name__}: {pred!r}"
+    )
+  if np.dtype(dtype) != np.bool_:
+    raise TypeError(f"Expected a scalar bool predicate, got dtype {dtype}")
+  if tuple(shape) != ():
+    raise ValueError(
+        f"Expected a scalar bool predicate, got shape {tuple(shape)}"
+    )
+  return jnp.asarray(pred)
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+  """Returns ``a`` where ``pred`` is true, else ``b``, leaf by leaf.
+
+  Branch-free (``lax.select``), so XLA can fuse it into the producers and
+  consumers of ``a`` and ``b``, unlike ``lax.cond``. Array leaves must agree in
+  shape and dtype; ``float0`` leaves (which hold no values) come from ``a``;
+  identical non-array leaves are passed through.
+
+  Args:
+    pred: a scalar bool (``jax.Array``, numpy, or Python ``bool``).
+    a: the pytree chosen when ``pred`` is true.
+    b: a pytree of the same structure, chosen when ``pred`` is false.
+
+  Returns:
+    A pytree of the structure of ``a``.
+
+  Raises:
+    TypeError: if ``pred`` is not a bool scalar, leaves differ in dtype, or two
+      different non-array leaves meet.
+    ValueError: if ``pred`` is not a scalar, the trees differ in structure, or
+      leaves differ in shape.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+    {'w': Array([0., 0.], dtype=float32)}
+  """
+  pred = _check_predicate(pred)
+  a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
+  b_leaves, b_def = jax.tree.flatten(b)
+  if a_def != b_def:
+    raise ValueError(
+        f"select_tree needs trees of one structure; got {a_def} and {b_def}"
+    )
+
+  def select(path: Any, x: Any, y: Any) -> Any:
+    x_is_array = isinstance(x, (jax.Array, np.ndarray, np.generic))
+    y_is_array = isinstance(y, (jax.Array, np.ndarray, np.generic))
+    if x_is_array or y_is_array:
+      x_arr, y_arr = jnp.asarray(x), jnp.asarray(y)
+      where = jax.tree_util.keystr(path) or "the root"
+      if x_arr.shape != y_arr.shape:
+        raise ValueError(
+            f"select_tree: shapes differ at {where}: {x_arr.shape} vs"
+            f" {y_arr.shape}"
+        )
+      if x_arr.dtype != y_arr.dtype:
+        raise TypeError(
+            f"select_tree: dtypes differ at {where}: {x_arr.dtype} vs"
+            f" {y_arr.dtype}"
+        )
+      if x_arr.dtype == jax.dtypes.float0:
+        return x
+      return jax.lax.select(pred, x_arr, y_arr)
+    if x is y or x == y:
+      return x
+    where = jax.tree_util.keystr(path) or "the root"
+    raise TypeError(
+        f"select_tree: cannot select between non-array leaves {x!r} and {y!r}"
+        f" at {where}"
+    )
+
+  out = [select(p, x, y) for (p, x), y in zip(a_leaves, b_leaves)]
+  return jax.tree.unflatten(a_def, out)

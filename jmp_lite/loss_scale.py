@@ -1,0 +1,400 @@
+"""Loss-scale states: no-op, static and dynamic, as immutable pytrees.
+
+The schedule of :class:`DynamicLossScale` (pinned, and tested against a
+plain-Python model of it):
+
+* A step is *finite* when ``grads_finite`` is true.
+* ``counter`` counts consecutive finite steps. On the ``period``-th one the
+  scale grows to ``min(loss_scale * factor, max_loss_scale)`` and the counter
+  restarts at 0 (the same step as PyTorch's ``GradScaler`` and ``jmp``; Flax's
+  ``DynamicScale`` grows one step later).
+* Any non-finite step resets ``counter`` to 0 and adds one to
+  ``nonfinite_counter``. When that reaches ``hysteresis`` the scale backs off
+  to ``max(loss_scale * backoff_factor, min_loss_scale)`` and
+  ``nonfinite_counter`` restarts at 0. A finite step resets
+  ``nonfinite_counter`` to 0, so only *consecutive* non-finite steps count
+  (PaddlePaddle's ``decr_every_n_nan_or_inf``).
+* The scale is a float32 scalar, never non-finite, never above
+  ``max_loss_scale`` and never below ``min_loss_scale``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite import struct
+
+T = TypeVar("T")
+
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+
+def _as_scalar(value: Any, dtype: np.dtype, what: str) -> Any:
+  """Converts ``value`` to a scalar of ``dtype`` without breaking tracing.
+
+  JAX arrays (tracers included) stay JAX arrays; Python and numpy values
+  become numpy arrays, so constructing a state puts nothing on a device.
+  """
+  if isinstance(value, jax.Array):
+    if value.dtype != dtype or getattr(value, "weak_type", False):
+      # Strong-typed: a weak-typed leaf would retrace once the first adjust()
+      # returns a strong-typed one.
+      value = jax.lax.convert_element_type(value, dtype)
+  elif isinstance(value, (numbers.Number, np.ndarray, np.generic)):
+    if isinstance(value, (bool, np.bool_)):
+      raise TypeError(f"{what} must be a number, got bool {value!r}")
+    value = np.asarray(value, dtype)
+  else:
+    raise TypeError(
+        f"{what} must be a scalar number or array, got"
+        f" {type(value).__name__}: {value!r}"
+    )
+  if value.shape != ():
+    raise ValueError(f"{what} must be a scalar, got shape {value.shape}")
+  return value
+
+
+def _concrete(value: Any) -> float | None:
+  """The Python value of a concrete scalar, or None for a tracer."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  return float(value)
+
+
+def _check_positive_finite(value: Any, what: str) -> None:
+  v = _concrete(value)
+  if v is not None and not (math.isfinite(v) and v > 0):
+    raise ValueError(f"{what} must be positive and finite, got {v}")
+
+
+def _check_static_int(value: Any, what: str, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(
+        f"{what} must be a Python int (static configuration), got"
+        f" {type(value).__name__}: {value!r}"
+    )
+  if value < minimum:
+    raise ValueError(f"{what} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+def _check_static_real(value: Any, what: str) -> float | int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(
+        f"{what} must be a Python number (static configuration), got"
+        f" {type(value).__name__}: {value!r}"
+    )
+  if not math.isfinite(value):
+    raise ValueError(f"{what} must be finite, got {value}")
+  return value if isinstance(value, int) else float(value)
+
+
+def _check_grads_finite(grads_finite: Any) -> jax.Array:
+  if isinstance(grads_finite, bool):
+    return jnp.asarray(grads_finite)
+  dtype = getattr(grads_finite, "dtype", None)
+  if dtype is None or np.dtype(dtype) != np.bool_:
+    raise TypeError(
+        "adjust expects grads_finite as a scalar bool (e.g. from"
+        f" jmp_lite.all_finite), got {type(grads_finite).__name__} of dtype"
+        f" {dtype}"
+    )
+  if grads_finite.shape != ():
+    raise ValueError(
+        f"adjust expects a scalar bool, got shape {grads_finite.shape}"
+    )
+  return jnp.asarray(grads_finite)
+
+
+def _multiply(tree: T, factor: jax.Array) -> T:
+  """Multiplies inexact leaves by a float32 scalar, keeping each leaf's dtype.
+
+  Half-precision leaves are multiplied in float32 and cast back: a float16
+  scale cannot even hold 2**16, while ``small_loss * 2**16`` often fits.
+  """
+
+  def mul(x: Any) -> Any:
+    if not _dtypes.is_inexact_array(x):
+      return x
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    real = jnp.finfo(wide).dtype
+    return (x.astype(wide) * jnp.asarray(factor, real)).astype(x.dtype)
+
+  return jax.tree.map(mul, tree)
+
+
+@struct.dataclass
+class NoOpLossScale:
+  """A loss scale that does nothing: for float32 or bfloat16 training.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> ls = jmp_lite.NoOpLossScale()
+    >>> float(ls.scale(jnp.float32(3.0))), float(ls.loss_scale)
+    (3.0, 1.0)
+  """
+
+  @property
+  def loss_scale(self) -> np.ndarray:
+    """The scale, always 1 (a float32 scalar, like the other states)."""
+    return np.ones((), _F32)
+
+  def scale(self, tree: T) -> T:
+    """Returns ``tree`` unchanged.
+
+    Args:
+      tree: a loss or any pytree.
+
+    Returns:
+      ``tree`` itself.
+    """
+    return tree
+
+  def unscale(self, tree: T) -> T:
+    """Returns ``tree`` unchanged.
+
+    Args:
+      tree: gradients or any pytree.
+
+    Returns:
+      ``tree`` itself.
+    """
+    return tree
+
+  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+    """Returns ``self``: a no-op scale never changes.
+
+    Args:
+      grads_finite: a scalar bool (checked, then ignored).
+
+    Returns:
+      ``self``.
+    """
+    _check_grads_finite(grads_finite)
+    return self
+
+
+@struct.dataclass
+class StaticLossScale:
+  """Scales the loss up and the gradients down by a fixed float32 constant.
+
+  The constant is a pytree leaf, so jitted steps taking states with different
+  scales share one compilation.
+
+  Attributes:
+    loss_scale: a positive, finite scalar (stored as float32).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> ls = jmp_lite.StaticLossScale(128.0)
+    >>> ls.scale(jnp.bfloat16(0.5))
+    Array(64, dtype=bfloat16)
+    >>> float(ls.unscale(jnp.float32(64.0)))
+    0.5
+  """
+
+  loss_scale: Any
+
+  def __post_init__(self) -> None:
+    scale = _as_scalar(self.loss_scale, _F32, "loss_scale")
+    _check_positive_finite(scale, "loss_scale")
+    object.__setattr__(self, "loss_scale", scale)
+
+  def scale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by the scale.
+
+    Args:
+      tree: a loss or any pytree; each leaf keeps its dtype.
+
+    Returns:
+      The scaled tree.
+    """
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
+
+    Args:
+      tree: gradients or any pytree; each leaf keeps its dtype.
+
+    Returns:
+      The unscaled tree.
+    """
+    return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
+
+  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+    """Returns ``self``: a static scale never changes.
+
+    Args:
+      grads_finite: a scalar bool (checked, then ignored).
+
+    Returns:
+      ``self``.
+    """
+    _check_grads_finite(grads_finite)
+    return self
+
+
+@struct.dataclass
+class DynamicLossScale:
+  """A loss scale that grows while gradients stay finite and backs off when not.
+
+  Positional arguments and defaults are ``jmp``'s; the keyword-only ones add
+  what PyTorch, Apex, Colossal-AI and PaddlePaddle users expect. See the module
+  docstring for the exact schedule.
+
+  Attributes:
+    loss_scale: the current scale (float32 scalar leaf).
+    counter: consecutive finite steps since the last change (int32 leaf).
+    period: consecutive finite steps needed to grow (static).
+    factor: growth factor, > 1 (static).
+    min_loss_scale: lower bound of the scale, may be below 1 (float32 leaf).
+    backoff_factor: multiplier on back-off, in (0, 1); ``None`` means
+      ``1 / factor`` (static).
+    max_loss_scale: upper bound of the scale; 2**24 as in Apex (float32 leaf).
+    hysteresis: consecutive non-finite steps that trigger one back-off (static).
+    nonfinite_counter: consecutive non-finite steps since the last back-off or
+      finite step (int32 leaf).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> ls = jmp_lite.DynamicLossScale(2.0 ** 15, period=2)
+    >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
+    >>> float(ls.loss_scale)
+    65536.0
+    >>> float(ls.adjust(jnp.array(False)).loss_scale)
+    32768.0
+  """
+
+  loss_scale: Any
+  counter: Any = struct.field(default=0)
+  period: int = struct.field(static=True, default=2000)
+  factor: float = struct.field(static=True, default=2)
+  min_loss_scale: Any = struct.field(default=1.0)
+  backoff_factor: float | None = struct.field(
+      static=True, default=None, kw_only=True
+  )
+  max_loss_scale: Any = struct.field(default=2.0**24, kw_only=True)
+  hysteresis: int = struct.field(static=True, default=1, kw_only=True)
+  nonfinite_counter: Any = struct.field(default=0, kw_only=True)
+
+  def __post_init__(self) -> None:
+    period = _check_static_int(self.period, "period", 1)
+    hysteresis = _check_static_int(self.hysteresis, "hysteresis", 1)
+    factor = _check_static_real(self.factor, "factor")
+    if factor <= 1:
+      raise ValueError(f"factor must be > 1, got {factor}")
+    backoff = self.backoff_factor
+    if backoff is None:
+      backoff = 1.0 / factor
+    backoff = _check_static_real(backoff, "backoff_factor")
+    if not 0 < backoff < 1:
+      raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}")
+
+    scale = _as_scalar(self.loss_scale, _F32, "loss_scale")
+    lo = _as_scalar(self.min_loss_scale, _F32, "min_loss_scale")
+    hi = _as_scalar(self.max_loss_scale, _F32, "max_loss_scale")
+    counter = _as_scalar(self.counter, _I32, "counter")
+    nonfinite = _as_scalar(self.nonfinite_counter, _I32, "nonfinite_counter")
+    for value, what in ((scale, "loss_scale"), (lo, "min_loss_scale"),
+                        (hi, "max_loss_scale")):
+      _check_positive_finite(value, what)
+    s, l, h = _concrete(scale), _concrete(lo), _concrete(hi)
+    if l is not None and h is not None and l > h:
+      raise ValueError(
+          f"min_loss_scale ({l}) must not exceed max_loss_scale ({h})"
+      )
+    if s is not None and l is not None and s < l:
+      raise ValueError(
+          f"loss_scale ({s}) is below min_loss_scale ({l})"
+      )
+    if s is not None and h is not None and s > h:
+      raise ValueError(
+          f"loss_scale ({s}) is above max_loss_scale ({h}); pass a larger"
+          " max_loss_scale= to start there"
+      )
+    c = _concrete(counter)
+    if c is not None and not 0 <= c < period:
+      raise ValueError(f"counter must be in [0, period={period}), got {int(c)}")
+    n = _concrete(nonfinite)
+    if n is not None and not 0 <= n < hysteresis:
+      raise ValueError(
+          f"nonfinite_counter must be in [0, hysteresis={hysteresis}), got"
+          f" {int(n)}"
+      )
+    for name, value in (("period", period), ("hysteresis", hysteresis),
+                        ("factor", factor), ("backoff_factor", backoff),
+                        ("loss_scale", scale), ("min_loss_scale", lo),
+                        ("max_loss_scale", hi), ("counter", counter),
+                        ("nonfinite_counter", nonfinite)):
+      object.__setattr__(self, name, value)
+
+  def scale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by the scale.
+
+    Args:
+      tree: a loss or any pytree; each leaf keeps its dtype (half-precision
+        leaves are multiplied in float32, then cast back).
+
+    Returns:
+      The scaled tree.
+    """
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
+
+    Args:
+      tree: gradients or any pytree; each leaf keeps its dtype.
+
+    Returns:
+      The unscaled tree.
+    """
+    return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
+
+  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+    """Returns the next state, given whether this step's gradients were finite.
+
+    Branch-free, so it fuses and never syncs with the host.
+
+    Args:
+      grads_finite: a scalar bool, typically ``jmp_lite.all_finite(grads)``.
+
+    Returns:
+      A new :class:`DynamicLossScale`; all static fields are kept.
+
+    Raises:
+      TypeError: if ``grads_finite`` is not bool.
+      ValueError: if ``grads_finite`` is not a scalar.
+    """
+    finite = _check_grads_finite(grads_finite)
+    scale = jnp.asarray(self.loss_scale, jnp.float32)
+    counter = jnp.asarray(self.counter, jnp.int32) + 1
+    nonfinite = jnp.asarray(self.nonfinite_counter, jnp.int32) + 1
+    grow = finite & (counter >= self.period)
+    back_off = ~finite & (nonfinite >= self.hysteresis)
+    # The bounds are finite, so min()/max() keep the scale finite even when
+    # scale * factor overflows float32.
+    grown = jnp.minimum(scale * self.factor, self.max_loss_scale)
+    shrunk = jnp.maximum(scale * self.backoff_factor, self.min_loss_scale)
+    new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
+    new_counter = jnp.where(finite & ~grow, counter, 0)
+    new_nonfinite = jnp.where(finite | back_off, 0, nonfinite)
+    return struct.replace(
+        self,
+        loss_scale=new_scale.astype(jnp.float32),
+        counter=new_counter.astype(jnp.int32),
+        nonfinite_counter=new_nonfinite.astype(jnp.int32),
+    )
+
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+"""Any of the three loss-scale states (the name ``jmp`` users import)."""

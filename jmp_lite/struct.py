@@ -1,0 +1,141 @@
+"""Frozen dataclasses that are pytrees, registered from their own field list.
+
+Every state class in jmp_lite is declared with :func:`dataclass` and
+:func:`field`. The pytree registration is derived from ``dataclasses.fields``,
+so a field can never be forgotten by a hand-written flatten (the bug that makes
+``jmp.DynamicLossScale`` drop ``min_loss_scale``). Unflattening bypasses
+``__init__``/``__post_init__``: JAX rebuilds pytrees with tracers,
+``ShapeDtypeStruct`` placeholders or ``object()`` sentinels as leaves
+(``jit``, ``lower``, ``eval_shape``, ``vmap``), and validation must never run on
+those. Validation belongs in ``__post_init__``, which only user construction
+reaches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+
+_T = TypeVar("_T", bound=type)
+
+_STATIC = "jmp_lite.static"
+
+
+def field(*, static: bool = False, **kwargs: Any) -> Any:
+  """Declares a dataclass field as a pytree leaf (default) or static metadata.
+
+  Args:
+    static: ``True`` for configuration (Python numbers, strings, dtypes) that is
+      part of the pytree structure: it is hashed into ``jax.jit``'s cache key,
+      so changing it recompiles. ``False`` for arrays, which become leaves.
+    **kwargs: forwarded to :func:`dataclasses.field` (``default``,
+      ``default_factory``, ``kw_only``, ...).
+
+  Returns:
+    A :class:`dataclasses.Field` descriptor.
+
+  Example:
+    >>> import jmp_lite
+    >>> @jmp_lite.struct.dataclass
+    ... class Counter:
+    ...   count: int
+    ...   period: int = jmp_lite.struct.field(static=True, default=10)
+    >>> import jax
+    >>> jax.tree.leaves(Counter(3))
+    [3]
+  """
+  metadata = dict(kwargs.pop("metadata", None) or {})
+  metadata[_STATIC] = static
+  return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def dataclass(cls: _T) -> _T:
+  """Makes ``cls`` a frozen dataclass registered as a pytree with key paths.
+
+  Leaves are the fields not declared ``static=True``; static fields form the
+  treedef's auxiliary data. Key paths name the fields
+  (``jax.tree_util.GetAttrKey``), so ``jax.tree_util.tree_flatten_with_path``,
+  orbax and the diagnostics print ``.loss_scale`` rather than an index.
+
+  Args:
+    cls: the class to decorate.
+
+  Returns:
+    The same class, now a frozen dataclass and a registered pytree node.
+
+  Example:
+    >>> import jax, jmp_lite
+    >>> @jmp_lite.struct.dataclass
+    ... class Pair:
+    ...   a: float
+    ...   b: float
+    >>> jax.tree.map(lambda x: 2 * x, Pair(1.0, 2.0))
+    Pair(a=2.0, b=4.0)
+  """
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  fields = dataclasses.fields(cls)
+  data_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC))
+  meta_names = tuple(f.name for f in fields if f.metadata.get(_STATIC))
+  keys = tuple(jax.tree_util.GetAttrKey(n) for n in data_names)
+
+  def flatten_with_keys(obj):
+    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, data_names))
+    return children, tuple(getattr(obj, n) for n in meta_names)
+
+  def flatten(obj):
+    children = tuple(getattr(obj, n) for n in data_names)
+    return children, tuple(getattr(obj, n) for n in meta_names)
+
+  def unflatten(meta, children):
+    # Deliberately skips __init__/__post_init__: see the module docstring.
+    obj = object.__new__(cls)
+    for name, value in zip(data_names, children):
+      object.__setattr__(obj, name, value)
+    for name, value in zip(meta_names, meta):
+      object.__setattr__(obj, name, value)
+    return obj
+
+  jax.tree_util.register_pytree_with_keys(
+      cls, flatten_with_keys, unflatten, flatten
+  )
+  return cls
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+  """Returns a copy of the dataclass ``obj`` with ``changes`` applied.
+
+  Unlike :func:`dataclasses.replace` this does not re-run ``__post_init__``
+  validation, so it is safe on states whose leaves are tracers.
+
+  Args:
+    obj: an instance of a :func:`dataclass`-decorated class.
+    **changes: field names and their new values.
+
+  Returns:
+    A new instance; ``obj`` is unchanged.
+
+  Raises:
+    TypeError: if a name in ``changes`` is not a field of ``obj``.
+
+  Example:
+    >>> import jmp_lite
+    >>> s = jmp_lite.DynamicLossScale(2.0 ** 15)
+    >>> float(jmp_lite.struct.replace(s, loss_scale=2.0 ** 10).loss_scale)
+    1024.0
+  """
+  names = {f.name for f in dataclasses.fields(obj)}
+  unknown = sorted(set(changes) - names)
+  if unknown:
+    raise TypeError(
+        f"{type(obj).__name__} has no field(s) {unknown}; fields are"
+        f" {sorted(names)}"
+    )
+  new = object.__new__(type(obj))
+  for name in names:
+    object.__setattr__(new, name, changes.get(name, getattr(obj, name)))
+  return new
+
+
+__all__ = ["dataclass", "field", "replace"]

@@ -1,0 +1,413 @@
+"""optax transformations: skip non-finite updates and keep a loss scale.
+
+Both transformations decide *without branching*: the inner optimizer always
+runs, and ``lax.select`` keeps its previous state when the gradients were not
+finite. On GPU and TPU XLA fuses that select into the optimizer's own
+elementwise kernels, so a skip costs no extra pass; a ``lax.cond`` (as in
+``optax.apply_if_finite``) would stop that fusion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite import struct
+from jmp_lite.finite import all_finite, select_tree
+from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
+                                 StaticLossScale)
+from jmp_lite.policy import Policy
+
+
+class NonFiniteHaltError(RuntimeError):
+  """Raised by :func:`raise_if_halted` once a skip budget has run out."""
+
+
+@struct.dataclass
+class SkipNonfiniteState:
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, untouched by skipped steps.
+    total_skips: skipped steps since ``init`` (int32).
+    consecutive_skips: skipped steps since the last applied one (int32).
+    last_finite: whether the last step's gradients were finite (bool).
+    halted: whether ``max_consecutive_skips`` ran out; sticky (bool).
+  """
+
+  inner_state: Any
+  total_skips: Any
+  consecutive_skips: Any
+  last_finite: Any
+  halted: Any
+
+
+@struct.dataclass
+class LossScaledState:
+  """State of :func:`loss_scaled`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, untouched by skipped steps.
+    loss_scale: the loss-scale state to scale the *next* loss with.
+    total_skips: skipped steps since ``init`` (int32).
+    consecutive_skips: skipped steps since the last applied one (int32).
+    last_finite: whether the last step's gradients were finite (bool).
+    name: a label that tells several loss-scaled optimizers apart (static).
+  """
+
+  inner_state: Any
+  loss_scale: Any
+  total_skips: Any
+  consecutive_skips: Any
+  last_finite: Any
+  name: str | None = struct.field(static=True, default=None)
+
+
+class _Counters(NamedTuple):
+  total_skips: jax.Array
+  consecutive_skips: jax.Array
+  last_finite: jax.Array
+
+
+def _count(finite: jax.Array, total: Any, consecutive: Any) -> _Counters:
+  skipped = (~finite).astype(jnp.int32)
+  return _Counters(
+      total_skips=jnp.asarray(total, jnp.int32) + skipped,
+      consecutive_skips=jnp.where(
+          finite, 0, jnp.asarray(consecutive, jnp.int32) + 1
+      ).astype(jnp.int32),
+      last_finite=finite,
+  )
+
+
+def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+  """Makes ``finite`` agree on every device of ``axis_name``.
+
+  One device's overflow must make every device skip and back off alike, or
+  replicated params and scales drift apart.
+  """
+  if axis_name is None:
+    return finite
+  return jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+
+
+def _zeros_where_not(apply: jax.Array, updates: Any) -> Any:
+  def zero(u: Any) -> Any:
+    if not _dtypes.is_inexact_array(u):
+      return u
+    return jnp.where(apply, u, jnp.zeros((), u.dtype))
+
+  return jax.tree.map(zero, updates)
+
+
+def _guarded_update(inner: optax.GradientTransformation, updates: Any,
+                    inner_state: Any, params: Any, apply: jax.Array,
+                    extra: dict[str, Any]) -> tuple[Any, Any]:
+  new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
+  new_updates = _zeros_where_not(apply, new_updates)
+  new_inner = select_tree(apply, new_inner, inner_state)
+  return new_updates, new_inner
+
+
+def _check_transformation(inner: Any) -> None:
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        "Expected an optax.GradientTransformation (with init and update), got"
+        f" {type(inner).__name__}: {inner!r}"
+    )
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+    *,
+    max_consecutive_skips: int | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that steps with non-finite gradients change nothing.
+
+  When any floating leaf of the incoming updates is +-inf or NaN, ``update``
+  returns zero updates and the inner state **bit for bit unchanged**: Adam's
+  count and moments, schedules, EMAs, everything. The decision is branch-free
+  and needs no host sync.
+
+  ``max_consecutive_skips=N`` (opt-in) *halts* training after the N-th
+  consecutive skip: ``state.halted`` becomes true and stays true, and from then
+  on every step is skipped, finite or not, so nothing non-finite ever reaches
+  the inner state or the params. Check it from the host where you already sync
+  (logging) with :func:`raise_if_halted`. Without it, skipping goes on for as
+  long as the gradients are non-finite.
+
+  Args:
+    inner: the optimizer to guard.
+    max_consecutive_skips: ``None`` (default, never halt) or an int >= 1.
+    axis_name: the mapped axis name under ``shard_map``/``pmap``; all devices
+      then skip together when any device's shard is non-finite. Not needed
+      under ``jax.jit`` with sharded arrays, where the check is global.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`SkipNonfiniteState`.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation or
+      ``max_consecutive_skips`` is not an int.
+    ValueError: if ``max_consecutive_skips`` < 1.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.skip_nonfinite(optax.adam(1e-3))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
+    >>> updates["w"], int(state.total_skips)
+    (Array([0., 0.], dtype=float32), 1)
+  """
+  _check_transformation(inner)
+  if max_consecutive_skips is not None:
+    if (isinstance(max_consecutive_skips, bool)
+        or not isinstance(max_consecutive_skips, int)):
+      raise TypeError(
+          "max_consecutive_skips must be None or an int, got"
+          f" {type(max_consecutive_skips).__name__}: {max_consecutive_skips!r}"
+      )
+    if max_consecutive_skips < 1:
+      raise ValueError(
+          f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}"
+      )
+
+  def init(params: Any) -> SkipNonfiniteState:
+    return SkipNonfiniteState(
+        inner_state=inner.init(params),
+        total_skips=jnp.zeros((), jnp.int32),
+        consecutive_skips=jnp.zeros((), jnp.int32),
+        last_finite=jnp.ones((), jnp.bool_),
+        halted=jnp.zeros((), jnp.bool_),
+    )
+
+  def update(updates: Any, state: SkipNonfiniteState, params: Any = None,
+             **extra: Any) -> tuple[Any, SkipNonfiniteState]:
+    finite = _reduce_finite(all_finite(updates), axis_name)
+    halted = jnp.asarray(state.halted, jnp.bool_)
+    apply = finite & ~halted
+    new_updates, new_inner = _guarded_update(
+        inner, updates, state.inner_state, params, apply, extra)
+    counts = _count(apply, state.total_skips, state.consecutive_skips)
+    if max_consecutive_skips is not None:
+      halted = halted | (counts.consecutive_skips >= max_consecutive_skips)
+    return new_updates, SkipNonfiniteState(
+        inner_state=new_inner,
+        total_skips=counts.total_skips,
+        consecutive_skips=counts.consecutive_skips,
+        last_finite=finite,
+        halted=halted,
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def default_loss_scale(policy: Policy | str) -> LossScale:
+  """Chooses a loss scale for a policy.
+
+  Dynamic scaling (from 2**15, as ``jmp`` recommends) when the policy computes
+  in float16, whose narrow range makes small gradients underflow; no scaling
+  for bfloat16, float32 and float64, which share float32's range.
+
+  Args:
+    policy: a :class:`Policy` or a policy string.
+
+  Returns:
+    A :class:`DynamicLossScale` or a :class:`NoOpLossScale`.
+
+  Example:
+    >>> import jmp_lite
+    >>> type(jmp_lite.default_loss_scale("c=f16")).__name__
+    'DynamicLossScale'
+    >>> type(jmp_lite.default_loss_scale("c=bf16")).__name__
+    'NoOpLossScale'
+  """
+  if isinstance(policy, str):
+    from jmp_lite.policy import get_policy  # Local: keeps the import graph flat.
+    policy = get_policy(policy)
+  if not isinstance(policy, Policy):
+    raise TypeError(
+        f"Expected a jmp_lite.Policy or policy string, got {policy!r}"
+    )
+  if policy.compute_dtype == np.dtype(jnp.float16):
+    return DynamicLossScale(2.0**15)
+  return NoOpLossScale()
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | Policy | str,
+    *,
+    axis_name: Any = None,
+    name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
+
+  Keeps the loss-scale state inside the optimizer state. ``update`` takes the
+  gradients of the *scaled* loss, unscales them, checks their finiteness once,
+  runs ``inner`` on the unscaled gradients (so a clipping or weight-decay step
+  inside ``inner`` sees true gradient values), skips the step as
+  :func:`skip_nonfinite` does when they are not finite, and adjusts the scale.
+  Use :func:`current_loss_scale` to fetch the scale for the next loss.
+
+  Args:
+    inner: the optimizer to wrap; put every transformation that must see
+      unscaled gradients (clipping!) inside it.
+    loss_scale: the initial :class:`NoOpLossScale`, :class:`StaticLossScale` or
+      :class:`DynamicLossScale`; or a :class:`Policy`/policy string, to use
+      :func:`default_loss_scale`.
+    axis_name: the mapped axis name under ``shard_map``/``pmap``; every device
+      then skips and backs off together.
+    name: a label for :func:`current_loss_scale` when several loss-scaled
+      optimizers live in one state.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`LossScaledState`.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation or
+      ``loss_scale`` is not a loss scale or policy.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+    >>> params = jnp.ones(2)
+    >>> state = opt.init(params)
+    >>> scale = jmp_lite.current_loss_scale(state)
+    >>> grads = jax.grad(lambda p: scale.scale((p ** 2).sum()))(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> updates
+    Array([-0.2, -0.2], dtype=float32)
+  """
+  _check_transformation(inner)
+  if isinstance(loss_scale, (Policy, str)):
+    loss_scale = default_loss_scale(loss_scale)
+  if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale,
+                                 DynamicLossScale)):
+    raise TypeError(
+        "loss_scale must be a NoOpLossScale, StaticLossScale,"
+        " DynamicLossScale, Policy or policy string, got"
+        f" {type(loss_scale).__name__}: {loss_scale!r}"
+    )
+  if name is not None and not isinstance(name, str):
+    raise TypeError(f"name must be a str or None, got {name!r}")
+  initial_scale = loss_scale
+
+  def init(params: Any) -> LossScaledState:
+    return LossScaledState(
+        inner_state=inner.init(params),
+        loss_scale=initial_scale,
+        total_skips=jnp.zeros((), jnp.int32),
+        consecutive_skips=jnp.zeros((), jnp.int32),
+        last_finite=jnp.ones((), jnp.bool_),
+        name=name,
+    )
+
+  def update(grads: Any, state: LossScaledState, params: Any = None,
+             **extra: Any) -> tuple[Any, LossScaledState]:
+    scale = state.loss_scale
+    grads = scale.unscale(grads)
+    finite = _reduce_finite(all_finite(grads), axis_name)
+    new_updates, new_inner = _guarded_update(
+        inner, grads, state.inner_state, params, finite, extra)
+    counts = _count(finite, state.total_skips, state.consecutive_skips)
+    return new_updates, LossScaledState(
+        inner_state=new_inner,
+        loss_scale=scale.adjust(finite),
+        total_skips=counts.total_skips,
+        consecutive_skips=counts.consecutive_skips,
+        last_finite=finite,
+        name=state.name,
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _find(opt_state: Any, kind: type) -> list[Any]:
+  return [
+      node for node in jax.tree.leaves(
+          opt_state, is_leaf=lambda x: isinstance(x, kind))
+      if isinstance(node, kind)
+  ]
+
+
+def current_loss_scale(opt_state: Any, name: str | None = None) -> LossScale:
+  """Returns the loss-scale state to scale the next loss with.
+
+  Finds the :class:`LossScaledState` anywhere in ``opt_state``: inside
+  ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+  ``optax.multi_transform`` or any other pytree of states.
+
+  Args:
+    opt_state: an optimizer state containing one (or, with ``name``, several)
+      :class:`LossScaledState`.
+    name: the ``name=`` given to :func:`loss_scaled`, to pick one of several.
+
+  Returns:
+    The loss-scale state (``NoOpLossScale``, ``StaticLossScale`` or
+    ``DynamicLossScale``).
+
+  Raises:
+    ValueError: if no loss-scaled state is found, or several are and ``name``
+      does not single one out.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = optax.chain(jmp_lite.loss_scaled(optax.sgd(0.1), "c=f16"))
+    >>> scale = jmp_lite.current_loss_scale(opt.init(jnp.ones(2)))
+    >>> float(scale.loss_scale)
+    32768.0
+  """
+  found = _find(opt_state, LossScaledState)
+  if name is not None:
+    found = [s for s in found if s.name == name]
+  if len(found) == 1:
+    return found[0].loss_scale
+  names = [s.name for s in _find(opt_state, LossScaledState)]
+  if not found:
+    raise ValueError(
+        "No loss_scaled state"
+        + (f" named {name!r}" if name is not None else "")
+        + f" in the optimizer state (names found: {names}); build the"
+        " optimizer with jmp_lite.loss_scaled(...)"
+    )
+  raise ValueError(
+      f"{len(found)} loss_scaled states found (names: {names}); pass name= to"
+      " current_loss_scale and give each loss_scaled(...) its own name="
+  )
+
+
+def raise_if_halted(opt_state: Any) -> None:
+  """Raises if a :func:`skip_nonfinite` in ``opt_state`` has halted.
+
+  Reads device values, so it syncs with the host: call it where you already
+  do (e.g. when logging), outside ``jax.jit``.
+
+  Args:
+    opt_state: any optimizer state.
+
+  Raises:
+    NonFiniteHaltError: naming the skip counts, if halted.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=3)
+    >>> jmp_lite.raise_if_halted(opt.init(jnp.ones(2)))  # nothing to report
+  """
+  for node in _find(opt_state, SkipNonfiniteState):
+    if bool(node.halted):
+      raise NonFiniteHaltError(
+          f"Training halted after {int(node.consecutive_skips)} consecutive"
+          f" non-finite steps ({int(node.total_skips)} skipped in all); the"
+          " params and optimizer state are those of the last finite step"
+      )
