@@ -1,0 +1,107 @@
+"""Tests for jmp_lite.finite: all_finite and select_tree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+from tests.conftest import FLOAT_DTYPE_IDS, FLOAT_DTYPES, assert_dtype
+
+ALL = FLOAT_DTYPES + [jnp.float64, jnp.complex64]
+ALL_IDS = FLOAT_DTYPE_IDS + ["f64", "c64"]
+
+
+def _tree(dtype):
+  return {"a": jnp.ones((4, 3), dtype), "b": [jnp.zeros(5, dtype)],
+          "c": jnp.arange(3), "d": None}
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan],
+                         ids=["+inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", ["a", "b"])
+def test_detects_nonfinite_in_any_leaf(dtype, bad, where, variant):
+  with jax.enable_x64(dtype == jnp.float64):
+    _check_detects(dtype, bad, where, variant)
+
+
+def _check_detects(dtype, bad, where, variant):
+  tree = _tree(dtype)
+  f = variant(jmp_lite.all_finite)
+  out = f(tree)
+  assert_dtype(out, jnp.bool_)
+  assert out.shape == ()
+  assert bool(out)
+  if where == "a":
+    tree["a"] = tree["a"].at[2, 1].set(bad)
+  else:
+    tree["b"][0] = tree["b"][0].at[4].set(bad)
+  assert not bool(f(tree))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [jnp.float64],
+                         ids=FLOAT_DTYPE_IDS + ["f64"])
+def test_no_false_positive_for_large_finite_values(dtype, variant):
+  with jax.enable_x64(dtype == jnp.float64):
+    big = jnp.finfo(dtype).max
+    # Many maximal values: any sum or norm of them would overflow to inf.
+    tree = {"x": jnp.full((1000,), big, dtype),
+            "y": -jnp.full((7,), big, dtype)}
+    assert bool(variant(jmp_lite.all_finite)(tree))
+
+
+def test_ignores_non_floating_leaves_and_empty_trees(variant):
+  f = variant(jmp_lite.all_finite)
+  assert bool(f({}))
+  assert bool(f([]))
+  assert bool(f({"i": jnp.array([1, 2]), "b": jnp.array([True])}))
+  assert bool(jmp_lite.all_finite(
+      {"f0": np.zeros(3, jax.dtypes.float0), "py": float("inf"), "n": None}))
+
+
+def test_numpy_leaves():
+  assert not bool(jmp_lite.all_finite([np.array([1.0, np.nan], np.float32)]))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=FLOAT_DTYPE_IDS)
+def test_select_tree(dtype, variant):
+  a = {"w": jnp.ones(3, dtype), "i": jnp.array(1), "f0": np.zeros((), jax.dtypes.float0)}
+  b = {"w": jnp.zeros(3, dtype), "i": jnp.array(2), "f0": np.zeros((), jax.dtypes.float0)}
+  sel = variant(jmp_lite.select_tree)
+  t = sel(jnp.array(True), a, b)
+  f = sel(jnp.array(False), a, b)
+  assert_dtype(t["w"], dtype)
+  np.testing.assert_array_equal(np.asarray(t["w"], np.float32), 1.0)
+  np.testing.assert_array_equal(np.asarray(f["w"], np.float32), 0.0)
+  assert int(t["i"]) == 1 and int(f["i"]) == 2
+
+
+def test_select_tree_passes_identical_static_leaves():
+  out = jmp_lite.select_tree(True, {"n": None, "s": "x", "w": jnp.ones(1)},
+                             {"n": None, "s": "x", "w": jnp.zeros(1)})
+  assert out["s"] == "x" and out["n"] is None
+
+
+@pytest.mark.parametrize("pred,err,match", [
+    (jnp.array([True, False]), ValueError, "shape"),
+    (jnp.array(1), TypeError, "dtype int32"),
+    (1.0, TypeError, "scalar bool predicate"),
+])
+def test_select_tree_bad_predicate(pred, err, match):
+  with pytest.raises(err, match=match):
+    jmp_lite.select_tree(pred, jnp.ones(1), jnp.zeros(1))
+
+
+def test_select_tree_mismatches():
+  with pytest.raises(ValueError, match="one structure"):
+    jmp_lite.select_tree(True, {"a": jnp.ones(1)}, {"b": jnp.ones(1)})
+  with pytest.raises(TypeError, match=r"dtypes differ at \['a'\]"):
+    jmp_lite.select_tree(True, {"a": jnp.ones(1)},
+                         {"a": jnp.ones(1, jnp.bfloat16)})
+  with pytest.raises(ValueError, match="shapes differ"):
+    jmp_lite.select_tree(True, {"a": jnp.ones(1)}, {"a": jnp.ones(2)})
+  with pytest.raises(TypeError, match="non-array leaves"):
+    jmp_lite.select_tree(True, {"a": "x"}, {"a": "y"})
