@@ -1,0 +1,222 @@
+"""Tests for jmp_lite.transforms: skip_nonfinite, loss_scaled, lookups."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+
+def _params():
+  return {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
+
+
+def _grads(scale=1.0, bad=None):
+  g = {"w": jnp.full((3, 4), 0.1 * scale), "b": jnp.full((4,), -0.2 * scale)}
+  if bad is not None:
+    g["w"] = g["w"].at[1, 2].set(bad)
+  return g
+
+
+def _adam_with_schedule():
+  return optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(optax.linear_schedule(1e-2, 1e-3, 100), weight_decay=1e-2),
+      optax.ema(0.9),
+  )
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_skip_keeps_inner_state_bit_identical(bad, variant):
+  opt = jmp_lite.skip_nonfinite(_adam_with_schedule())
+  params = _params()
+  state = opt.init(params)
+  update = variant(opt.update)
+  _, state = update(_grads(), state, params)  # One real step first.
+  updates, skipped = update(_grads(bad=bad), state, params)
+  chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
+  for u in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(np.asarray(u), 0.0)
+  assert int(skipped.total_skips) == 1
+  assert int(skipped.consecutive_skips) == 1
+  assert not bool(skipped.last_finite)
+  _, after = update(_grads(), skipped, params)
+  assert int(after.consecutive_skips) == 0 and int(after.total_skips) == 1
+  assert bool(after.last_finite)
+
+
+def test_skipped_steps_equal_a_run_without_them():
+  opt = jmp_lite.skip_nonfinite(_adam_with_schedule())
+  ref_opt = _adam_with_schedule()
+  step = jax.jit(lambda p, s, g: _apply(opt, p, s, g))
+  ref_step = jax.jit(lambda p, s, g: _apply(ref_opt, p, s, g))
+  params, ref_params = _params(), _params()
+  state, ref_state = opt.init(params), ref_opt.init(ref_params)
+  rng = np.random.default_rng(0)
+  for i in range(40):
+    g = jax.tree.map(lambda x: x * (1 + i / 10), _grads())
+    if rng.random() < 0.3:
+      bad = {"w": g["w"].at[0, 0].set(np.nan), "b": g["b"]}
+      params, state = step(params, state, bad)
+    else:
+      params, state = step(params, state, g)
+      ref_params, ref_state = ref_step(ref_params, ref_state, g)
+  chex.assert_trees_all_equal(params, ref_params)
+  chex.assert_trees_all_equal(state.inner_state, ref_state)
+
+
+def _apply(opt, params, state, grads):
+  updates, state = opt.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def test_max_consecutive_skips_halts_and_never_applies_nonfinite():
+  opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=2)
+  params = _params()
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  _, state = update(_grads(bad=np.nan), state, params)
+  assert not bool(state.halted)
+  jmp_lite.raise_if_halted(state)
+  _, state = update(_grads(bad=np.nan), state, params)
+  assert bool(state.halted)
+  with pytest.raises(jmp_lite.NonFiniteHaltError,
+                     match="halted after 2 consecutive"):
+    jmp_lite.raise_if_halted({"opt": state})
+  # Halted is sticky: even finite steps are skipped from now on.
+  updates, state = update(_grads(), state, params)
+  assert bool(state.halted) and int(state.total_skips) == 3
+  for u in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(np.asarray(u), 0.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_max_consecutive_skips_validation(bad):
+  with pytest.raises((ValueError, TypeError), match="max_consecutive_skips"):
+    jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=bad)
+
+
+def test_not_a_transformation():
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    jmp_lite.skip_nonfinite(lambda g: g)
+  with pytest.raises(TypeError, match="loss_scale must be"):
+    jmp_lite.loss_scaled(optax.sgd(0.1), 2.0**15)
+
+
+def test_loss_scaled_unscales_before_inner_clipping():
+  # The inner clip sees the true gradient norm, not the scaled one.
+  scale = jmp_lite.StaticLossScale(2.0**10)
+  opt = jmp_lite.loss_scaled(
+      optax.chain(optax.clip_by_global_norm(100.0), optax.sgd(1.0)), scale)
+  params = _params()
+  state = opt.init(params)
+  updates, _ = opt.update(scale.scale(_grads()), state, params)
+  chex.assert_trees_all_close(
+      updates, jax.tree.map(lambda g: -g, _grads()), rtol=1e-6)
+
+
+def test_loss_scaled_dynamic_end_to_end(variant):
+  opt = jmp_lite.loss_scaled(optax.adam(1e-2),
+                             jmp_lite.DynamicLossScale(2.0**4, period=2))
+  params = _params()
+  state = opt.init(params)
+
+  def step(params, state, bad):
+    scale = jmp_lite.current_loss_scale(state)
+    loss_fn = lambda p: scale.scale(jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]))
+    grads = jax.grad(loss_fn)(params)
+    grads["w"] = jnp.where(bad, jnp.inf, grads["w"])
+    return _apply(opt, params, state, grads)
+
+  step = variant(step)
+  seen = []
+  for bad in [False, False, True, False, False]:
+    before = params
+    params, state = step(params, state, jnp.array(bad))
+    seen.append(float(jmp_lite.current_loss_scale(state).loss_scale))
+    if bad:
+      chex.assert_trees_all_equal(params, before)
+  assert seen == [16.0, 32.0, 16.0, 16.0, 32.0]
+  assert int(state.total_skips) == 1
+  assert int(state.inner_state[0].count) == 4
+
+
+def test_default_loss_scale_from_policy():
+  assert isinstance(jmp_lite.default_loss_scale("c=f16"),
+                    jmp_lite.DynamicLossScale)
+  assert isinstance(jmp_lite.default_loss_scale(jmp_lite.get_policy("bf16")),
+                    jmp_lite.NoOpLossScale)
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.get_policy("p=f32,c=f16"))
+  state = opt.init(_params())
+  scale = jmp_lite.current_loss_scale(state)
+  assert float(scale.loss_scale) == 2.0**15
+  assert_dtype(scale.loss_scale, jnp.float32)
+  with pytest.raises(TypeError, match="Policy or policy string"):
+    jmp_lite.default_loss_scale(3)
+
+
+def test_current_loss_scale_found_inside_wrappers():
+  inner = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0))
+  wrapped = [
+      optax.chain(optax.identity(), inner),
+      optax.MultiSteps(inner, every_k_schedule=2),
+      optax.inject_hyperparams(
+          lambda learning_rate: jmp_lite.loss_scaled(
+              optax.sgd(learning_rate), jmp_lite.StaticLossScale(8.0)))(
+                  learning_rate=0.1),
+      optax.multi_transform({"a": inner, "b": optax.sgd(0.1)},
+                            {"w": "a", "b": "b"}),
+  ]
+  for opt in wrapped:
+    state = opt.init(_params())
+    assert float(jmp_lite.current_loss_scale(state).loss_scale) == 8.0
+
+
+def test_several_named_scales():
+  opt = optax.multi_transform(
+      {"gen": jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0), name="gen"),
+       "disc": jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0), name="disc")},
+      {"w": "gen", "b": "disc"})
+  state = opt.init(_params())
+  assert float(jmp_lite.current_loss_scale(state, name="disc").loss_scale) == 4.0
+  with pytest.raises(ValueError, match="2 loss_scaled states found"):
+    jmp_lite.current_loss_scale(state)
+  with pytest.raises(ValueError, match="No loss_scaled state named 'x'"):
+    jmp_lite.current_loss_scale(state, name="x")
+  with pytest.raises(ValueError, match="No loss_scaled state"):
+    jmp_lite.current_loss_scale(optax.sgd(0.1).init(_params()))
+
+
+def test_loss_scaled_never_recompiles_as_the_scale_moves():
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3),
+                             jmp_lite.DynamicLossScale(2.0**8, period=3))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, bad):
+    scale = jmp_lite.current_loss_scale(state)
+    grads = jax.grad(lambda p: scale.scale(jnp.sum(p["w"] ** 2)))(params)
+    grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+    return _apply(opt, params, state, grads)
+
+  params = _params()
+  state = opt.init(params)
+  rng = np.random.default_rng(3)
+  for _ in range(100):
+    params, state = step(params, state, jnp.array(rng.random() < 0.2))
+  assert int(state.total_skips) > 0
+
+
+def test_state_round_trips_through_lower_and_eval_shape():
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.DynamicLossScale(4.0),
+                             name="main")
+  state = opt.init(_params())
+  shapes = jax.eval_shape(opt.update, _grads(), state, _params())
+  assert shapes[1].name == "main"
+  jax.jit(opt.update).lower(_grads(), state, _params()).compile()
