@@ -19,10 +19,13 @@ def all_finite(tree: Any) -> jax.Array:
 
   Detects +inf, -inf and NaN in any floating (or complex) leaf of any dtype.
   Integer, bool and ``float0`` leaves, ``None`` and non-array leaves are
-  ignored; an empty tree is finite. Each leaf costs one fused read
-  (``isfinite`` followed by an ``all`` reduction): there is no arithmetic
-  reduction such as a sum, which could overflow on large finite values and
-  report a false non-finite.
+  ignored; an empty tree is finite.
+
+  Each leaf costs exactly one fused read: ``sum(x - x)`` is ``0`` when every
+  element is finite and NaN as soon as one is +-inf or NaN (``inf - inf`` is
+  NaN). A sum of zeros cannot overflow, so large finite values never give a
+  false non-finite, and unlike ``all(isfinite(x))`` no boolean array is
+  materialised (XLA:CPU's cost model charges that 1.5 reads).
 
   Args:
     tree: a pytree of gradients (or anything).
@@ -37,14 +40,17 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jmp_lite.all_finite([jnp.array([1.0, jnp.inf])]))
     False
   """
-  flags = [
-      jnp.all(jnp.isfinite(x))
+  partials = [
+      # x - x is 0 for finite x and NaN for +-inf and NaN (like x * 0, but
+      # with no broadcast constant, which XLA:CPU would materialise).
+      jnp.sum(x - x).astype(
+          jnp.promote_types(x.dtype, jnp.float32))
       for x in jax.tree.leaves(tree)
       if _dtypes.is_inexact_array(x)
   ]
-  if not flags:
+  if not partials:
     return jnp.array(True)
-  return functools.reduce(jnp.logical_and, flags)
+  return jnp.isfinite(functools.reduce(jnp.add, partials))
 
 
 def _check_predicate(pred: Any) -> jax.Array:

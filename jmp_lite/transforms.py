@@ -302,6 +302,7 @@ def loss_scaled(
   if name is not None and not isinstance(name, str):
     raise TypeError(f"name must be a str or None, got {name!r}")
   initial_scale = loss_scale
+  check_unscaled = _may_amplify(loss_scale)
 
   def init(params: Any) -> LossScaledState:
     return LossScaledState(
@@ -316,8 +317,15 @@ def loss_scaled(
   def update(grads: Any, state: LossScaledState, params: Any = None,
              **extra: Any) -> tuple[Any, LossScaledState]:
     scale = state.loss_scale
+    # Checking the incoming (scaled) gradients lets XLA fuse the unscale into
+    # the optimizer's kernels instead of materialising it for the reduction.
+    # Unscaling by 1/scale <= 1 cannot overflow, so this is exact unless the
+    # scale may drop below 1; then the unscaled gradients are checked too.
+    finite = all_finite(grads)
     grads = scale.unscale(grads)
-    finite = _reduce_finite(all_finite(grads), axis_name)
+    if check_unscaled:
+      finite = finite & all_finite(grads)
+    finite = _reduce_finite(finite, axis_name)
     new_updates, new_inner = _guarded_update(
         inner, grads, state.inner_state, params, finite, extra)
     counts = _count(finite, state.total_skips, state.consecutive_skips)
@@ -331,6 +339,18 @@ def loss_scaled(
     )
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _may_amplify(loss_scale: LossScale) -> bool:
+  """Whether unscaling can ever multiply by more than 1 (scale below 1)."""
+  if isinstance(loss_scale, NoOpLossScale):
+    return False
+  lowest = (loss_scale.min_loss_scale
+            if isinstance(loss_scale, DynamicLossScale)
+            else loss_scale.loss_scale)
+  if isinstance(lowest, jax.core.Tracer):
+    return True  # Unknown while tracing: take the safe path.
+  return bool(float(lowest) < 1.0)
 
 
 def _find(opt_state: Any, kind: type) -> list[Any]:
