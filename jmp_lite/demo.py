@@ -142,7 +142,7 @@ def format_table(rows: Sequence[Row]) -> str:
     >>> from jmp_lite.demo import Row, format_table
     >>> print(format_table([Row("f32", "p=f32,c=f32,o=f32", "NoOpLossScale",
     ...                         2.0, 0.5, 1024, 0, 1.0)]).splitlines()[0])
-    run   policy             loss scale       ms/step  vs f32  final loss  param bytes  skipped  final scale
+    run  policy             loss scale     ms/step  vs f32  final loss  param bytes  skipped  final scale
   """
   header = ("run", "policy", "loss scale", "ms/step", "vs " + rows[0].name,
             "final loss", "param bytes", "skipped", "final scale")
