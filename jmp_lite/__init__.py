@@ -14,6 +14,10 @@ from jmp_lite.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
+from jmp_lite import master as master
+from jmp_lite.master import MasterWeightsState as MasterWeightsState
+from jmp_lite.master import master_params as master_params
+from jmp_lite.master import master_weights as master_weights
 from jmp_lite.policy import Policy as Policy
 from jmp_lite.policy import cast_to_full as cast_to_full
 from jmp_lite.policy import cast_to_half as cast_to_half
@@ -31,6 +35,7 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
+    "MasterWeightsState",
     "NonFiniteHaltError",
     "NoOpLossScale",
     "Policy",
@@ -45,6 +50,9 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "loss_scaled",
+    "master",
+    "master_params",
+    "master_weights",
     "raise_if_halted",
     "select_tree",
     "skip_nonfinite",

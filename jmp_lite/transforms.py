@@ -21,6 +21,7 @@ from jmp_lite import struct
 from jmp_lite.finite import all_finite, select_tree
 from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
                                  StaticLossScale)
+from jmp_lite.master import half_precision_leaves
 from jmp_lite.policy import Policy
 
 
@@ -97,10 +98,12 @@ def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def _zeros_where_not(apply: jax.Array, updates: Any) -> Any:
+  # A skipped update is -0.0, not +0.0: x + (-0.0) == x bit for bit for every
+  # x, including x == -0.0 (which + 0.0 would turn into +0.0).
   def zero(u: Any) -> Any:
     if not _dtypes.is_inexact_array(u):
       return u
-    return jnp.where(apply, u, jnp.zeros((), u.dtype))
+    return jnp.where(apply, u, jnp.asarray(-0.0, u.dtype))
 
   return jax.tree.map(zero, updates)
 
@@ -132,7 +135,9 @@ def skip_nonfinite(
   """Wraps ``inner`` so that steps with non-finite gradients change nothing.
 
   When any floating leaf of the incoming updates is +-inf or NaN, ``update``
-  returns zero updates and the inner state **bit for bit unchanged**: Adam's
+  returns zero updates (``-0.0``, so that ``optax.apply_updates`` leaves every
+  param bit for bit as it was, ``-0.0`` included) and the inner state **bit for
+  bit unchanged**: Adam's
   count and moments, schedules, EMAs, everything. The decision is branch-free
   and needs no host sync.
 
@@ -166,7 +171,7 @@ def skip_nonfinite(
     >>> state = opt.init(params)
     >>> updates, state = opt.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
     >>> updates["w"], int(state.total_skips)
-    (Array([0., 0.], dtype=float32), 1)
+    (Array([-0., -0.], dtype=float32), 1)
   """
   _check_transformation(inner)
   if max_consecutive_skips is not None:
@@ -249,6 +254,7 @@ def loss_scaled(
     *,
     axis_name: Any = None,
     name: str | None = None,
+    allow_half_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
 
@@ -269,6 +275,10 @@ def loss_scaled(
       then skips and backs off together.
     name: a label for :func:`current_loss_scale` when several loss-scaled
       optimizers live in one state.
+    allow_half_state: ``init`` refuses an inner state with float16/bfloat16
+      leaves (Adam's moments take the dtype of half-precision params, and
+      then small updates vanish) unless this is ``True``. The usual fix is
+      :func:`master_weights` around this transformation.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -276,7 +286,9 @@ def loss_scaled(
 
   Raises:
     TypeError: if ``inner`` is not a gradient transformation or
-      ``loss_scale`` is not a loss scale or policy.
+      ``loss_scale`` is not a loss scale or policy; from ``init``, if the
+      inner state holds half-precision leaves and ``allow_half_state`` is
+      false.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
@@ -305,8 +317,19 @@ def loss_scaled(
   check_unscaled = _may_amplify(loss_scale)
 
   def init(params: Any) -> LossScaledState:
+    inner_state = inner.init(params)
+    half = half_precision_leaves(inner_state)
+    if half and not allow_half_state:
+      raise TypeError(
+          "The optimizer state would hold half-precision leaves: "
+          + ", ".join(half[:4]) + (" ..." if len(half) > 4 else "")
+          + ". Moments in float16/bfloat16 silently lose small updates. Keep"
+          " float32 master weights with jmp_lite.master_weights(loss_scaled("
+          "...)), or pass allow_half_state=True to loss_scaled if this is"
+          " deliberate."
+      )
     return LossScaledState(
-        inner_state=inner.init(params),
+        inner_state=inner_state,
         loss_scale=initial_scale,
         total_skips=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),

@@ -1,0 +1,188 @@
+"""Master weights: half-precision params, a float32 copy in the optimizer.
+
+Apex's O2 / ``FP16_Optimizer``, PaddlePaddle's O2 and Colossal-AI's naive AMP
+keep a float32 master copy of half-precision params: small updates that would
+round away in float16/bfloat16 accumulate in float32, and the optimizer's
+moments live in float32 too. :func:`master_weights` does this as an optax
+transformation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite import struct
+
+
+@struct.dataclass
+class MasterWeightsState:
+  """State of :func:`master_weights`.
+
+  Attributes:
+    master: the params in the master dtype (non-floating leaves as given).
+    inner_state: the wrapped optimizer's state, built from ``master``.
+  """
+
+  master: Any
+  inner_state: Any
+
+
+def _to(tree: Any, dtype: np.dtype) -> Any:
+  def cast(x: Any) -> Any:
+    if _dtypes.is_floating_array(x) and x.dtype != dtype:
+      return jnp.asarray(x).astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
+def _apply(master: Any, update: Any) -> Any:
+  # optax.apply_updates, less its failure on float0 updates of int leaves.
+  if not _dtypes.is_inexact_array(update) or not _dtypes.is_inexact_array(
+      master):
+    return master
+  return (master + update).astype(master.dtype)
+
+
+def _param_update(new_master: Any, update: Any, param: Any) -> Any:
+  """The update that takes ``param`` to ``new_master`` cast to its dtype."""
+  if not _dtypes.is_floating_array(param):
+    return update
+  if param.dtype == new_master.dtype:
+    return update  # Same dtype: the master *is* the param; pass through.
+  # Both operands are values of the param's (narrower) dtype, so in float32
+  # their difference is exact unless they are 2**13 (f16) / 2**16 (bf16) or
+  # more apart, and optax.apply_updates' (param + update).astype(dtype) then
+  # lands exactly on the cast master value.
+  wide = jnp.promote_types(param.dtype, jnp.float32)
+  target = new_master.astype(param.dtype).astype(wide)
+  return target - jnp.asarray(param).astype(wide)
+
+
+def master_weights(
+    inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps a master copy of the params in ``dtype`` (float32) for ``inner``.
+
+  ``init`` copies the params into ``dtype`` and initialises ``inner`` from that
+  copy, so the optimizer's moments are float32 whatever the params' dtype.
+  ``update`` casts the gradients to ``dtype`` (exactly), runs ``inner`` on the
+  master copy, applies its updates there, and returns the updates that take
+  the half-precision params to the new master values cast to their dtype
+  (apply them with ``optax.apply_updates``, which casts back to each param's
+  dtype). Leaves already in ``dtype`` pass through unchanged.
+
+  Compose it *outside* :func:`loss_scaled`, so that unscaling happens in
+  float32 where small gradients cannot underflow::
+
+      opt = jmp_lite.master_weights(jmp_lite.loss_scaled(optax.adam(1e-3), scale))
+
+  A step that :func:`loss_scaled` skips leaves the master copy untouched.
+
+  Args:
+    inner: the optimizer to run on the master copy.
+    dtype: the master dtype; float32 unless you have a reason.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`MasterWeightsState`. Its ``update`` requires ``params``.
+
+  Raises:
+    TypeError: if ``dtype`` is not a floating dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.master_weights(optax.sgd(1e-4))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = opt.init(params)
+    >>> state.master["w"].dtype
+    dtype('float32')
+    >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
+    ...   updates, state = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"]
+    Array([0.988281, 0.988281], dtype=bfloat16)
+  """
+  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+
+  def init(params: Any) -> MasterWeightsState:
+    master = _to(params, dtype)
+    return MasterWeightsState(master=master, inner_state=inner.init(master))
+
+  def update(grads: Any, state: MasterWeightsState, params: Any = None,
+             **extra: Any) -> tuple[Any, MasterWeightsState]:
+    if params is None:
+      raise ValueError(
+          "master_weights needs the current params: call"
+          " opt.update(grads, state, params)"
+      )
+    updates, inner_state = inner.update(
+        _to(grads, dtype), state.inner_state, state.master, **extra)
+    new_master = jax.tree.map(_apply, state.master, updates)
+    param_updates = jax.tree.map(_param_update, new_master, updates, params)
+    return param_updates, MasterWeightsState(
+        master=new_master, inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def master_params(opt_state: Any) -> Any:
+  """Returns the master copy of the params held in ``opt_state``.
+
+  Args:
+    opt_state: a state containing exactly one :class:`MasterWeightsState`.
+
+  Returns:
+    The params in the master dtype.
+
+  Raises:
+    ValueError: if there is not exactly one master-weights state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
+    >>> state = opt.init({"w": jnp.ones(2, jnp.float16)})
+    >>> jmp_lite.master_params(state)["w"].dtype
+    dtype('float32')
+  """
+  found = [
+      node for node in jax.tree.leaves(
+          opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+      if isinstance(node, MasterWeightsState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        f"Expected one master_weights state in the optimizer state, found"
+        f" {len(found)}; build the optimizer with jmp_lite.master_weights(...)"
+    )
+  return found[0].master
+
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def half_precision_leaves(tree: Any) -> list[str]:
+  """Key paths of the float16/bfloat16 array leaves of ``tree``.
+
+  Args:
+    tree: any pytree (an optimizer state, say).
+
+  Returns:
+    The paths, as ``jax.tree_util.keystr`` strings with their dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.master.half_precision_leaves({"mu": jnp.ones(2, jnp.bfloat16)})
+    ["['mu'] (bfloat16)"]
+  """
+  return [
+      f"{jax.tree_util.keystr(path)} ({np.dtype(x.dtype).name})"
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if _dtypes.is_floating_array(x) and np.dtype(x.dtype) in HALF_DTYPES
+  ]

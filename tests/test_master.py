@@ -1,0 +1,136 @@
+"""Tests for jmp_lite.master: float32 master weights for half params."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+HALF = [jnp.bfloat16, jnp.float16]
+
+
+def _params(dtype):
+  rng = np.random.default_rng(0)
+  return {"w": jnp.asarray(rng.standard_normal((8, 4)), dtype),
+          "b": jnp.zeros((4,), dtype)}
+
+
+def _loss(params, x):
+  return jnp.mean((x @ params["w"].astype(jnp.float32)
+                   + params["b"].astype(jnp.float32)) ** 2)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
+def test_half_params_equal_cast_master_after_every_step(dtype, variant):
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10, period=5)))
+  params = _params(dtype)
+  state = opt.init(params)
+  # float32 master copy and float32 moments.
+  assert_dtype(state.master["w"], jnp.float32)
+  assert_dtype(state.inner_state.inner_state[0].mu["w"], jnp.float32)
+  assert_dtype(state.inner_state.inner_state[0].nu["w"], jnp.float32)
+
+  def step(params, state, x):
+    scale = jmp_lite.current_loss_scale(state)
+    grads = jax.grad(lambda p: scale.scale(_loss(p, x)))(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = variant(step)
+  rng = np.random.default_rng(1)
+  for _ in range(30):
+    params, state = step(params, state,
+                         jnp.asarray(rng.standard_normal((16, 8)), jnp.float32))
+    assert_dtype(params["w"], dtype)
+    chex.assert_trees_all_equal(
+        params, jax.tree.map(lambda m: m.astype(dtype), state.master))
+
+
+def test_master_weights_keep_small_updates_that_bf16_loses():
+  params = {"w": jnp.ones((4,), jnp.bfloat16)}
+  grads = {"w": jnp.ones((4,), jnp.bfloat16)}
+  pure = optax.sgd(1e-4)
+  mw = jmp_lite.master_weights(optax.sgd(1e-4))
+  p_pure, s_pure = params, pure.init(params)
+  p_mw, s_mw = params, mw.init(params)
+  for _ in range(200):
+    u, s_pure = pure.update(grads, s_pure, p_pure)
+    p_pure = optax.apply_updates(p_pure, u)
+    u, s_mw = mw.update(grads, s_mw, p_mw)
+    p_mw = optax.apply_updates(p_mw, u)
+  assert float(p_pure["w"][0]) == 1.0          # Stuck: 1 - 1e-4 rounds to 1.
+  np.testing.assert_allclose(float(jmp_lite.master_params(s_mw)["w"][0]),
+                             0.98, rtol=1e-5)
+  assert float(p_mw["w"][0]) < 0.99
+
+
+def test_float32_leaves_pass_through():
+  params = {"w": jnp.ones((3,)), "h": jnp.ones((3,), jnp.bfloat16),
+            "i": jnp.arange(3)}
+  opt = jmp_lite.master_weights(optax.multi_transform(
+      {"f": optax.sgd(0.5), "z": optax.set_to_zero()},
+      {"w": "f", "h": "f", "i": "z"}))
+  state = opt.init(params)
+  grads = {"w": jnp.ones((3,)), "h": jnp.ones((3,), jnp.bfloat16),
+           "i": np.zeros((3,), jax.dtypes.float0)}
+  updates, state = opt.update(grads, state, params)
+  assert updates["i"].dtype == jax.dtypes.float0
+  new = dict(params, **optax.apply_updates(
+      {k: params[k] for k in "wh"}, {k: updates[k] for k in "wh"}))
+  np.testing.assert_array_equal(np.asarray(new["w"]), 0.5)
+  np.testing.assert_array_equal(np.asarray(new["h"], np.float32), 0.5)
+  assert_dtype(new["h"], jnp.bfloat16)
+  assert_dtype(new["i"], jnp.int32)
+
+
+def test_update_requires_params():
+  opt = jmp_lite.master_weights(optax.sgd(0.1))
+  state = opt.init({"w": jnp.ones(2, jnp.float16)})
+  with pytest.raises(ValueError, match="needs the current params"):
+    opt.update({"w": jnp.ones(2, jnp.float16)}, state)
+
+
+def test_bad_master_dtype():
+  with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+    jmp_lite.master_weights(optax.sgd(0.1), dtype=jnp.int32)
+
+
+def test_master_params_lookup_errors():
+  with pytest.raises(ValueError, match="found 0"):
+    jmp_lite.master_params(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
+def test_loss_scaled_refuses_half_moments_unless_allowed(dtype):
+  params = {"w": jnp.ones((2, 2), dtype)}
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale())
+  with pytest.raises(TypeError, match=r"half-precision leaves: .*\['w'\] \("
+                     + np.dtype(dtype).name + r"\).*master_weights"):
+    opt.init(params)
+  allowed = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
+                                 allow_half_state=True)
+  state = allowed.init(params)
+  assert_dtype(state.inner_state[0].mu["w"], dtype)
+  # With master weights around it the moments are float32.
+  ok = jmp_lite.master_weights(
+      jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale()))
+  assert_dtype(ok.init(params).inner_state.inner_state[0].mu["w"], jnp.float32)
+
+
+def test_float16_unscaling_happens_in_float32():
+  # A float16 gradient of 2**-10 at scale 2**15 unscales to 2**-25, below
+  # float16's smallest subnormal: it only survives if unscaled in float32.
+  params = {"w": jnp.zeros((1,), jnp.float16)}
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.sgd(1.0), jmp_lite.StaticLossScale(2.0**15)))
+  state = opt.init(params)
+  _, state = opt.update({"w": jnp.full((1,), 2.0**-10, jnp.float16)}, state,
+                        params)
+  assert float(jmp_lite.master_params(state)["w"][0]) == -(2.0**-25)
