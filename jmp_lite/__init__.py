@@ -5,6 +5,8 @@ written for ``jmp`` 0.0.4.
 """
 
 from jmp_lite import dtypes as dtypes
+from jmp_lite.accumulation import AccumulateState as AccumulateState
+from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
 from jmp_lite import struct as struct
 from jmp_lite._version import __version__ as __version__
 from jmp_lite.dtypes import half_dtype as half_dtype
@@ -32,6 +34,7 @@ from jmp_lite.transforms import raise_if_halted as raise_if_halted
 from jmp_lite.transforms import skip_nonfinite as skip_nonfinite
 
 __all__ = (
+    "AccumulateState",
     "DynamicLossScale",
     "LossScale",
     "LossScaledState",
@@ -41,6 +44,7 @@ __all__ = (
     "Policy",
     "SkipNonfiniteState",
     "StaticLossScale",
+    "accumulate_gradients",
     "all_finite",
     "cast_to_full",
     "cast_to_half",

@@ -1,0 +1,143 @@
+"""Gradient accumulation that survives non-finite micro-batches.
+
+``optax.MultiSteps`` resets its accumulator by multiplying it with 0, and
+``0 * inf`` is NaN: after one overflowing micro-batch every later window is
+non-finite too, and a loss-scaled run skips forever. (Its
+``should_skip_update_fn`` drops such micro-batches instead, so the loss scale
+never sees the overflow and never backs off.) :func:`accumulate_gradients`
+pins the behaviour mixed precision needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite import struct
+from jmp_lite.finite import all_finite, select_tree
+
+
+@struct.dataclass
+class AccumulateState:
+  """State of :func:`accumulate_gradients`.
+
+  Attributes:
+    acc: running sum of this window's gradients, in the accumulator dtype;
+      only finite micro-batches are added.
+    mini_step: micro-batches seen in this window (int32).
+    poisoned: whether a micro-batch of this window was non-finite (bool).
+    inner_state: the wrapped optimizer's state.
+  """
+
+  acc: Any
+  mini_step: Any
+  poisoned: Any
+  inner_state: Any
+
+
+def accumulate_gradients(
+    inner: optax.GradientTransformation,
+    every_k: int,
+    *,
+    dtype: Any = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Averages gradients over ``every_k`` micro-batches, then updates once.
+
+  The pinned behaviour, for mixed precision:
+
+  * The accumulator is ``dtype`` (float32) whatever the params' dtype.
+  * On the last micro-batch of a window, ``inner`` gets the mean gradient; on
+    the others updates are ``-0.0`` and the inner state is untouched, so a
+    :func:`loss_scaled` inside adjusts its scale once per optimizer step and
+    every micro-batch of a window is scaled alike.
+  * A non-finite micro-batch *poisons its window*: it is not added, and at
+    the window's end ``inner`` receives non-finite gradients, so a
+    :func:`loss_scaled` or :func:`skip_nonfinite` inside skips that optimizer
+    step (and backs the scale off once). The next window starts clean.
+
+  Everything is branch-free; ``inner.update`` is traced once and its result
+  selected, as ``optax.MultiSteps`` does.
+
+  Args:
+    inner: the optimizer to feed, typically ``loss_scaled(...)``.
+    every_k: micro-batches per optimizer step, >= 1.
+    dtype: accumulator dtype.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    :class:`AccumulateState`.
+
+  Raises:
+    TypeError: if ``every_k`` is not an int or ``dtype`` not a float dtype.
+    ValueError: if ``every_k`` < 1.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.accumulate_gradients(optax.sgd(1.0), every_k=2)
+    >>> params = jnp.zeros(1)
+    >>> state = opt.init(params)
+    >>> u1, state = opt.update(jnp.array([1.0]), state, params)
+    >>> u2, state = opt.update(jnp.array([3.0]), state, params)
+    >>> u1, u2
+    (Array([-0.], dtype=float32), Array([-2.], dtype=float32))
+  """
+  if isinstance(every_k, bool) or not isinstance(every_k, int):
+    raise TypeError(f"every_k must be an int, got {every_k!r}")
+  if every_k < 1:
+    raise ValueError(f"every_k must be >= 1, got {every_k}")
+  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+
+  def to_acc(x: Any) -> Any:
+    return x.astype(dtype) if _dtypes.is_floating_array(x) else x
+
+  def init(params: Any) -> AccumulateState:
+    acc = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), dtype)
+        if _dtypes.is_floating_array(p) else p, params)
+    return AccumulateState(
+        acc=acc, mini_step=jnp.zeros((), jnp.int32),
+        poisoned=jnp.zeros((), jnp.bool_), inner_state=inner.init(params))
+
+  def update(grads: Any, state: AccumulateState, params: Any = None,
+             **extra: Any) -> tuple[Any, AccumulateState]:
+    finite = all_finite(grads)
+    poisoned = state.poisoned | ~finite
+
+    def add(acc: Any, g: Any) -> Any:
+      if not _dtypes.is_floating_array(acc):
+        return acc
+      return jnp.where(finite, acc + to_acc(g), acc)
+
+    acc = jax.tree.map(add, state.acc, grads)
+    emit = state.mini_step == every_k - 1
+
+    def mean(a: Any, g: Any) -> Any:
+      if not _dtypes.is_floating_array(a):
+        return g
+      m = a / every_k
+      # A poisoned window hands on NaN so that the wrapped guard skips it.
+      m = jnp.where(poisoned, jnp.asarray(np.nan, m.dtype), m)
+      return m.astype(g.dtype) if _dtypes.is_floating_array(g) else m
+
+    mean_grads = jax.tree.map(mean, acc, grads)
+    updates, new_inner = inner.update(mean_grads, state.inner_state, params,
+                                      **extra)
+    updates = jax.tree.map(
+        lambda u: jnp.where(emit, u, jnp.asarray(-0.0, u.dtype))
+        if _dtypes.is_inexact_array(u) else u, updates)
+    inner_state = select_tree(emit, new_inner, state.inner_state)
+    acc = jax.tree.map(
+        lambda a: jnp.where(emit, jnp.zeros((), a.dtype), a)
+        if _dtypes.is_floating_array(a) else a, acc)
+    return updates, AccumulateState(
+        acc=acc,
+        mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+        poisoned=poisoned & ~emit,
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
