@@ -1,0 +1,33 @@
+"""Skipping and loss scaling agree across devices (8 forced host devices).
+
+The checks run in a subprocess because the device count is fixed when JAX
+starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_device_skips_and_backs_off_together():
+  env = dict(os.environ, PYTHONPATH=str(ROOT),
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
+                                           "sharded_skip.py")],
+      capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines == [
+      "ok data-parallel jit",
+      "ok data x model mesh jit",
+      "ok shard_map without axis_name diverges",
+      "ok shard_map with axis_name",
+      "ok pmap skip_nonfinite with axis_name",
+  ], proc.stdout + proc.stderr
