@@ -301,3 +301,32 @@ def test_int_bool_float0_and_none_leaves():
   chex.assert_trees_all_equal(again, new)
   chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
   assert int(skipped.total_skips) == 1
+
+
+def test_optax_multisteps_composition_and_its_pinned_poisoning():
+  """optax.MultiSteps(loss_scaled(...)): what works, and the documented trap.
+
+  It adjusts the scale once per optimizer step and accumulates in float32;
+  but one non-finite micro-batch poisons every later window (its reset
+  multiplies by 0, and 0 * inf is NaN). jmp_lite.accumulate_gradients is the
+  fix (see test_accumulation_one_adjustment_per_optimizer_step).
+  """
+  k = 2
+  opt = optax.MultiSteps(
+      jmp_lite.loss_scaled(optax.sgd(0.1),
+                           jmp_lite.DynamicLossScale(2.0**6, period=1)),
+      every_k_schedule=k)
+  params = _init_params()
+  state = opt.init(params)
+  for acc in jax.tree.leaves(state.acc_grads):
+    assert_dtype(acc, jnp.float32)
+  update = jax.jit(opt.update)
+  grads = jax.tree.map(jnp.ones_like, params)
+  scales = []
+  for i in range(8):
+    g = jax.tree.map(lambda x: x * jnp.inf, grads) if i == 2 else grads
+    _, state = update(g, state, params)
+    scales.append(float(jmp_lite.current_loss_scale(state).loss_scale))
+  # Growth once per optimizer step (period=1), then the poisoned window backs
+  # off, and every later window stays non-finite and keeps backing off.
+  assert scales == [64.0, 128.0, 128.0, 64.0, 64.0, 32.0, 32.0, 16.0]

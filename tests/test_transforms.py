@@ -220,3 +220,42 @@ def test_state_round_trips_through_lower_and_eval_shape():
   shapes = jax.eval_shape(opt.update, _grads(), state, _params())
   assert shapes[1].name == "main"
   jax.jit(opt.update).lower(_grads(), state, _params()).compile()
+
+
+def test_manual_path_composes_to_the_same_result_as_loss_scaled():
+  """scale/unscale/adjust by hand + skip_nonfinite == loss_scaled."""
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  auto = jmp_lite.loss_scaled(inner, jmp_lite.DynamicLossScale(2.0**4, period=2))
+  manual = jmp_lite.skip_nonfinite(inner)
+
+  def loss(p, x):
+    return jnp.sum(jnp.tanh(p["w"] * x) ** 2) + jnp.sum(p["b"]) * x
+
+  @jax.jit
+  def auto_step(params, state, x, bad):
+    scale = jmp_lite.current_loss_scale(state)
+    grads = jax.grad(lambda p: scale.scale(loss(p, x)))(params)
+    grads["b"] = jnp.where(bad, jnp.inf, grads["b"])
+    return _apply(auto, params, state, grads)
+
+  @jax.jit
+  def manual_step(params, state, scale, x, bad):
+    grads = jax.grad(lambda p: scale.scale(loss(p, x)))(params)
+    grads["b"] = jnp.where(bad, jnp.inf, grads["b"])
+    grads = scale.unscale(grads)
+    params, state = _apply(manual, params, state, grads)
+    return params, state, scale.adjust(jmp_lite.all_finite(grads))
+
+  p_auto = p_manual = _params()
+  s_auto, s_manual = auto.init(p_auto), manual.init(p_manual)
+  scale = jmp_lite.DynamicLossScale(2.0**4, period=2)
+  rng = np.random.default_rng(7)
+  for i in range(30):
+    x, bad = jnp.float32(1 + i / 7), jnp.array(rng.random() < 0.25)
+    p_auto, s_auto = auto_step(p_auto, s_auto, x, bad)
+    p_manual, s_manual, scale = manual_step(p_manual, s_manual, scale, x, bad)
+  chex.assert_trees_all_close(p_auto, p_manual, rtol=1e-6)
+  chex.assert_trees_all_close(s_auto.inner_state, s_manual.inner_state,
+                              rtol=1e-6)
+  chex.assert_trees_all_equal(s_auto.loss_scale, scale)
+  assert int(s_auto.total_skips) == int(s_manual.total_skips) > 0
