@@ -131,6 +131,35 @@ def _multiply(tree: T, factor: jax.Array) -> T:
   return jax.tree.map(mul, tree)
 
 
+class _MultiplyingScale:
+  """``scale``/``unscale`` shared by the states that hold a ``loss_scale``."""
+
+  loss_scale: Any
+
+  def scale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by the scale.
+
+    Args:
+      tree: a loss or any pytree; each leaf keeps its dtype (half-precision
+        leaves are multiplied in float32, then cast back).
+
+    Returns:
+      The scaled tree.
+    """
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
+
+    Args:
+      tree: gradients or any pytree; each leaf keeps its dtype.
+
+    Returns:
+      The unscaled tree.
+    """
+    return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
+
+
 @struct.dataclass
 class NoOpLossScale:
   """A loss scale that does nothing: for float32 or bfloat16 training.
@@ -183,7 +212,7 @@ class NoOpLossScale:
 
 
 @struct.dataclass
-class StaticLossScale:
+class StaticLossScale(_MultiplyingScale):
   """Scales the loss up and the gradients down by a fixed float32 constant.
 
   The constant is a pytree leaf, so jitted steps taking states with different
@@ -208,28 +237,6 @@ class StaticLossScale:
     _check_positive_finite(scale, "loss_scale")
     object.__setattr__(self, "loss_scale", scale)
 
-  def scale(self, tree: T) -> T:
-    """Multiplies the inexact leaves of ``tree`` by the scale.
-
-    Args:
-      tree: a loss or any pytree; each leaf keeps its dtype.
-
-    Returns:
-      The scaled tree.
-    """
-    return _multiply(tree, self.loss_scale)
-
-  def unscale(self, tree: T) -> T:
-    """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
-
-    Args:
-      tree: gradients or any pytree; each leaf keeps its dtype.
-
-    Returns:
-      The unscaled tree.
-    """
-    return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
-
   def adjust(self, grads_finite: Any) -> "StaticLossScale":
     """Returns ``self``: a static scale never changes.
 
@@ -244,7 +251,7 @@ class StaticLossScale:
 
 
 @struct.dataclass
-class DynamicLossScale:
+class DynamicLossScale(_MultiplyingScale):
   """A loss scale that grows while gradients stay finite and backs off when not.
 
   Positional arguments and defaults are ``jmp``'s; the keyword-only ones add
@@ -336,29 +343,6 @@ class DynamicLossScale:
                         ("max_loss_scale", hi), ("counter", counter),
                         ("nonfinite_counter", nonfinite)):
       object.__setattr__(self, name, value)
-
-  def scale(self, tree: T) -> T:
-    """Multiplies the inexact leaves of ``tree`` by the scale.
-
-    Args:
-      tree: a loss or any pytree; each leaf keeps its dtype (half-precision
-        leaves are multiplied in float32, then cast back).
-
-    Returns:
-      The scaled tree.
-    """
-    return _multiply(tree, self.loss_scale)
-
-  def unscale(self, tree: T) -> T:
-    """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
-
-    Args:
-      tree: gradients or any pytree; each leaf keeps its dtype.
-
-    Returns:
-      The unscaled tree.
-    """
-    return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
 
   def adjust(self, grads_finite: Any) -> "DynamicLossScale":
     """Returns the next state, given whether this step's gradients were finite.
