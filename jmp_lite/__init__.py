@@ -17,6 +17,8 @@ from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
 from jmp_lite import master as master
+from jmp_lite import path_rules as path_rules
+from jmp_lite.path_rules import cast_by_path as cast_by_path
 from jmp_lite.master import MasterWeightsState as MasterWeightsState
 from jmp_lite.master import master_params as master_params
 from jmp_lite.master import master_weights as master_weights
@@ -46,6 +48,7 @@ __all__ = (
     "StaticLossScale",
     "accumulate_gradients",
     "all_finite",
+    "cast_by_path",
     "cast_to_full",
     "cast_to_half",
     "current_loss_scale",
@@ -57,6 +60,7 @@ __all__ = (
     "master",
     "master_params",
     "master_weights",
+    "path_rules",
     "raise_if_halted",
     "select_tree",
     "skip_nonfinite",

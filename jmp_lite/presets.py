@@ -1,0 +1,138 @@
+"""Named presets O0–O3, mapped to what Apex, PaddlePaddle and PyTorch users know.
+
+| preset | params | compute | optimizer | Apex | Paddle | PyTorch |
+| --- | --- | --- | --- | --- | --- | --- |
+| ``O0`` | float32 | float32 | plain | O0 | (AMP off) | no autocast |
+| ``O1`` | float32 | half for Dense/Conv/Einsum/attention layers, float32 elsewhere | loss scaling if float16 | O1 | O1 | ``autocast`` (per layer; per op is ``jmp_lite.autocast``) |
+| ``O2`` | half (norms float32) | half (norms float32) | float32 master weights + loss scaling if float16 | O2 | O2 | ``model.half()`` + master weights |
+| ``O3`` | half | half | pure half (half moments) | O3 | pure fp16 | ``model.half()`` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite.linen import MixedPrecision, Rule, mixed_precision
+from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jmp_lite.master import master_weights
+from jmp_lite.policy import Policy
+from jmp_lite.transforms import loss_scaled
+
+MATMUL_LAYERS: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal,
+    nn.Einsum)
+"""The matmul/convolution-heavy layers ``O1`` runs in half precision."""
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A named mixed-precision recipe: a policy with rules, and an optimizer.
+
+  Attributes:
+    name: ``"O0"`` … ``"O3"``.
+    policy: the default policy.
+    rules: linen rules applied before the float32 normalisation islands.
+    float32_norms: whether normalisation layers stay float32.
+    master: whether the optimizer keeps float32 master weights.
+    half: the half dtype used.
+  """
+
+  name: str
+  policy: Policy
+  rules: tuple[Rule, ...]
+  float32_norms: bool
+  master: bool
+  half: np.dtype
+
+  def wrap(self, module: nn.Module, *, rules: Sequence[Any] = (),
+           strict: bool = False, enabled: bool = True) -> MixedPrecision:
+    """Puts ``module`` under this preset (your ``rules`` come first).
+
+    Args:
+      module: a ``flax.linen`` module.
+      rules: extra rules, matched before the preset's own.
+      strict: as for :func:`jmp_lite.linen.mixed_precision`.
+      enabled: ``False`` runs everything in float32.
+
+    Returns:
+      A :class:`~jmp_lite.linen.MixedPrecision`.
+    """
+    return mixed_precision(module, self.policy, rules=tuple(rules) + self.rules,
+                           float32_norms=self.float32_norms, strict=strict,
+                           enabled=enabled)
+
+  def loss_scale(self) -> LossScale:
+    """Dynamic scaling (from 2**15) when the half dtype is float16, else none.
+
+    Returns:
+      A fresh loss-scale state.
+    """
+    if self.name != "O0" and self.half == np.dtype(jnp.float16):
+      return DynamicLossScale(2.0**15)
+    return NoOpLossScale()
+
+  def optimizer(self, inner: optax.GradientTransformation
+                ) -> optax.GradientTransformation:
+    """Wraps ``inner`` as this preset needs.
+
+    ``O0``/``O1``: ``loss_scaled(inner)``; ``O2``:
+    ``master_weights(loss_scaled(inner))``; ``O3``: ``loss_scaled(inner,
+    allow_half_state=True)`` (pure half: moments in half precision too).
+
+    Args:
+      inner: the optimizer.
+
+    Returns:
+      The wrapped optimizer.
+    """
+    wrapped = loss_scaled(inner, self.loss_scale(),
+                          allow_half_state=self.name == "O3")
+    return master_weights(wrapped) if self.master else wrapped
+
+
+def preset(level: str, half: Any = None) -> Preset:
+  """Returns the named preset.
+
+  Args:
+    level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (case-insensitive).
+    half: the half dtype; defaults to :func:`~jmp_lite.half_dtype` (bfloat16
+      on TPUs and recent GPUs, float16 elsewhere).
+
+  Returns:
+    A :class:`Preset`.
+
+  Raises:
+    ValueError: for an unknown level.
+    TypeError: for a ``half`` that is not float16 or bfloat16.
+
+  Example:
+    >>> import jmp_lite.presets
+    >>> p = jmp_lite.presets.preset("O2", half="bf16")
+    >>> str(p.policy), p.master
+    ('p=bf16,c=bf16,o=f32', True)
+  """
+  name = str(level).strip().upper()
+  if name not in LEVELS:
+    raise ValueError(f"Unknown preset {level!r}; expected one of {LEVELS}")
+  half = _dtypes.half_dtype() if half is None else _dtypes.to_floating_dtype(
+      half, "half")
+  if half not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+    raise TypeError(f"half must be float16 or bfloat16, got {half.name}")
+  f32 = np.dtype(jnp.float32)
+  if name == "O0":
+    return Preset(name, Policy(f32, f32, f32), (), True, False, half)
+  if name == "O1":
+    rules = (Rule(MATMUL_LAYERS, Policy(f32, half, half)),)
+    return Preset(name, Policy(f32, f32, f32), rules, True, False, half)
+  if name == "O2":
+    return Preset(name, Policy(half, half, f32), (), True, True, half)
+  return Preset(name, Policy(half, half, half), (), False, False, half)
