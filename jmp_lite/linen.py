@@ -9,9 +9,9 @@ the module needs a ``dtype=`` argument:
   gradients come back in the param dtype);
 * **inputs** of every module call are cast to that module's compute dtype
   (through ``flax.linen.intercept_methods``);
-* **outputs**: the root module's are cast to the policy's output dtype, and a
-  module that has a rule of its own returns its rule's output dtype; other
-  modules return what they computed;
+* **outputs**: the root module's are cast to the policy's output dtype, a
+  module that has a rule of its own returns its rule's output dtype, and
+  every other module returns its compute dtype;
 * **mutable collections** (``batch_stats``) keep the dtype they were stored in.
 
 Rules give modules other policies: ``(nn.LayerNorm, "f32")`` by class, or
@@ -144,6 +144,7 @@ class _Resolver:
   rules: tuple[Rule, ...]
   classes: dict[tuple[str, ...], type] = dataclasses.field(default_factory=dict)
   used: set[int] = dataclasses.field(default_factory=set)
+  depth: int = 0  # Nesting of intercepted calls: 0 is the root call.
 
   def own_rule(self, path: tuple[str, ...]) -> Rule | None:
     cls = self.classes.get(path)
@@ -175,15 +176,24 @@ def _interceptor(resolver: _Resolver,
       return next_fun(*args, **kwargs)
     module = context.module
     path = tuple(module.path)
+    is_root = resolver.depth == 0
     resolver.classes.setdefault(path, type(module))
     policy = resolver.policy_for(path)
     args, kwargs = policy.cast_to_compute((args, kwargs))
-    out = next_fun(*args, **kwargs)
+    resolver.depth += 1
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      resolver.depth -= 1
     rule = resolver.own_rule(path)
-    if rule is not None:
-      out = rule.policy.cast_to_output(out)
-    elif not path:
+    if is_root:
       out = resolver.default.cast_to_output(out)
+    elif rule is not None:
+      out = rule.policy.cast_to_output(out)
+    else:
+      # A no-op in apply; in init (params not yet cast) it keeps dtypes the
+      # same as in apply, which lax.scan carries require.
+      out = policy.cast_to_compute(out)
     if record is not None:
       record(path, type(module), policy, args, kwargs, out,
              dict(module.variables.get("params", {})))
@@ -255,11 +265,13 @@ class MixedPrecision:
                 method: Any, rngs: Any) -> _Resolver:
     """Traces the model once (abstractly) to learn each module path's class."""
     resolver = self._resolver()
+    # Inputs are closed over, not traced: Python flags such as
+    # `deterministic` must stay Python values.
     with nn.intercept_methods(_interceptor(resolver)):
       jax.eval_shape(
-          lambda v, a, k: self.module.apply(v, *a, rngs=rngs, method=method,
-                                            mutable=True, **k),
-          variables, args, kwargs)
+          lambda v: self.module.apply(v, *args, rngs=rngs, method=method,
+                                      mutable=True, **kwargs),
+          variables)
     self._check_strict(resolver)
     return resolver
 
@@ -575,13 +587,14 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
         inputs=_float_dtypes((call_args, call_kwargs)),
         outputs=_float_dtypes(out), param_bytes=_nbytes(_own(own_stored))))
 
-  def run(v, a, k):
+  def run(v):
     cast_vars = dict(v)
     if "params" in cast_vars:
       cast_vars["params"] = _cast_params(cast_vars["params"], resolver,
                                          "compute")
     with nn.intercept_methods(_interceptor(resolver, record)):
-      return model.module.apply(cast_vars, *a, method=method, mutable=True, **k)
+      return model.module.apply(cast_vars, *args, method=method, mutable=True,
+                                **kwargs)
 
-  jax.eval_shape(run, variables, args, kwargs)
+  jax.eval_shape(run, variables)
   return DtypeReport(tuple(rows))

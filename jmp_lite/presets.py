@@ -87,6 +87,9 @@ class Preset:
     ``O0``/``O1``: ``loss_scaled(inner)``; ``O2``:
     ``master_weights(loss_scaled(inner))``; ``O3``: ``loss_scaled(inner,
     allow_half_state=True)`` (pure half: moments in half precision too).
+    With ``O3`` in float16, every constant of ``inner`` must survive float16:
+    Adam's default ``eps=1e-8`` rounds to 0 and turns tiny second moments
+    into infinite updates, so pass ``eps=1e-4`` or so.
 
     Args:
       inner: the optimizer.

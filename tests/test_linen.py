@@ -1,0 +1,367 @@
+"""Tests for jmp_lite.linen and jmp_lite.presets on real Flax models."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import linen as jl
+from jmp_lite.presets import preset
+from tests.conftest import assert_dtype
+
+
+class ResBlock(nn.Module):
+  channels: int
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    y = nn.Conv(self.channels, (3, 3))(x)
+    y = nn.BatchNorm(use_running_average=not train)(y)
+    y = nn.relu(y)
+    y = nn.Conv(self.channels, (3, 3))(y)
+    y = nn.BatchNorm(use_running_average=not train)(y)
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = ResBlock(8)(x, train)
+    x = ResBlock(8)(x, train)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(10)(x)
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=2, attention_fn=jl.dot_product_attention_fp32)(
+            h, h, deterministic=deterministic)
+    x = x + nn.Dropout(0.1)(h, deterministic=deterministic)
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(32)(h)
+    h = nn.gelu(h)
+    return x + nn.Dense(16)(h)
+
+
+class Transformer(nn.Module):
+  vocab: int = 20
+
+  @nn.compact
+  def __call__(self, tokens, deterministic: bool = True):
+    x = nn.Embed(self.vocab, 16)(tokens)
+    x = Block()(x, deterministic)
+    x = nn.LayerNorm(name="final_norm")(x)
+    return nn.Dense(self.vocab, name="logits")(x)
+
+
+def _images():
+  return jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)),
+                     jnp.float32)
+
+
+def _tokens():
+  return jnp.asarray(np.random.default_rng(0).integers(0, 20, (2, 6)))
+
+
+def _rows(report):
+  return {r.path: r for r in report.rows}
+
+
+def test_resnet_dtypes_seen_by_each_module():
+  model = jl.mixed_precision(ResNet(), "p=f32,c=bf16,o=f32")
+  x = _images()
+  variables = model.init(jax.random.key(0), x)
+  report = jl.dtype_report(model, variables, x)
+  rows = _rows(report)
+  assert rows[""].outputs == "float32"  # Root output dtype.
+  for path, row in rows.items():
+    if row.cls == "Conv" or row.cls == "Dense":
+      assert (row.stored, row.read, row.inputs) == (
+          "float32", "bfloat16", "bfloat16"), path
+    if row.cls == "BatchNorm":
+      assert (row.stored, row.read, row.inputs, row.outputs) == (
+          "float32", "float32", "float32", "bfloat16"), path
+  assert "BatchNorm" in str(report) and "<table>" in report._repr_html_()
+  # Batch statistics stay float32 through a training step.
+  out, updated = model.apply(variables, x, mutable=["batch_stats"])
+  assert_dtype(out, jnp.float32)
+  for leaf in jax.tree.leaves(updated["batch_stats"]):
+    assert_dtype(leaf, jnp.float32)
+  changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)),
+                         updated["batch_stats"], variables["batch_stats"])
+  assert any(jax.tree.leaves(changed))
+
+
+def _hlo_ops(lowered_text, op):
+  return [l for l in lowered_text.splitlines() if f"stablehlo.{op}" in l]
+
+
+def test_resnet_hlo_runs_convs_in_bf16_and_batchnorm_in_f32():
+  x = _images()
+  for norms in (True, False):
+    model = jl.mixed_precision(ResNet(), "p=f32,c=bf16,o=f32",
+                               float32_norms=norms)
+    variables = model.init(jax.random.key(0), x)
+    text = jax.jit(lambda v, x: model.apply(
+        v, x, mutable=["batch_stats"])).lower(variables, x).as_text()
+    convs = _hlo_ops(text, "convolution")
+    assert len(convs) == 5
+    assert all(re.search(r"\(tensor<[^>]*bf16>, tensor<[^>]*bf16>\)", c)
+               for c in convs)
+    dots = _hlo_ops(text, "dot_general")
+    assert dots and all("bf16>, tensor" in d for d in dots)
+    # BatchNorm's statistics are reduced in float32 either way (Flax forces
+    # float32 reductions); the island decides the dtype its params are read
+    # in and its inputs are cast to.
+    reduces = [l for l in _hlo_ops(text, "reduce") if "tensor<4x8x8x8x" in l]
+    assert reduces and all("bf16" not in r for r in reduces)
+    row = _rows(jl.dtype_report(model, variables, x))["ResBlock_0/BatchNorm_0"]
+    expected = "float32" if norms else "bfloat16"
+    assert (row.read, row.inputs) == (expected, expected)
+
+
+def test_transformer_islands_attention_and_grads():
+  model = jl.mixed_precision(Transformer(), "p=f32,c=bf16,o=f32")
+  tokens = _tokens()
+  variables = model.init(jax.random.key(0), tokens)
+  rows = _rows(jl.dtype_report(model, variables, tokens))
+  assert rows["Embed_0"].read == "bfloat16"
+  assert rows["Block_0/LayerNorm_0"].read == "float32"
+  assert rows["Block_0/LayerNorm_0"].inputs == "float32"
+  assert rows["final_norm"].outputs == "bfloat16"
+  assert rows["logits"].read == "bfloat16"
+  qproj = rows["Block_0/MultiHeadDotProductAttention_0/query"]
+  assert (qproj.cls, qproj.read) == ("DenseGeneral", "bfloat16")
+  text = jax.jit(model.apply).lower(variables, tokens).as_text()
+  # Attention logits and softmax (the exp) run in float32.
+  exps = _hlo_ops(text, "exponential")
+  assert exps and all("bf16" not in e for e in exps)
+
+  def loss(params):
+    logits = model.apply({"params": params}, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+  grads = jax.grad(loss)(variables["params"])
+  for g in jax.tree.leaves(grads):
+    assert_dtype(g, jnp.float32)  # Gradients come back in the param dtype.
+
+
+def test_rngs_dropout_and_method():
+  model = jl.mixed_precision(Transformer(), "c=bf16,o=f32")
+  tokens = _tokens()
+  variables = model.init(jax.random.key(0), tokens)
+  a = model.apply(variables, tokens, False, rngs={"dropout": jax.random.key(1)})
+  b = model.apply(variables, tokens, False, rngs={"dropout": jax.random.key(2)})
+  assert_dtype(a, jnp.float32)
+  assert bool(jnp.any(a != b))
+
+  class TwoHeads(nn.Module):
+    def setup(self):
+      self.body = nn.Dense(4)
+      self.norm = nn.LayerNorm()
+
+    def __call__(self, x):
+      return self.body(x)
+
+    def normed(self, x):
+      return self.norm(self.body(x))
+
+  m = jl.mixed_precision(TwoHeads(), "c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  v = m.init(jax.random.key(0), x, method=TwoHeads.normed)
+  assert set(v["params"]) == {"body", "norm"}
+  assert_dtype(m.apply(v, x, method=TwoHeads.normed), jnp.float32)
+  rows = _rows(jl.dtype_report(m, v, x, method=TwoHeads.normed))
+  assert rows["norm"].read == "float32" and rows["body"].read == "bfloat16"
+
+
+class Lifted(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.remat(nn.Dense)(8, name="remat_dense")(x)
+    x = nn.jit(nn.LayerNorm)(name="jit_norm")(x)
+
+    class Cell(nn.Module):
+      @nn.compact
+      def __call__(self, carry, _):
+        return nn.Dense(8)(carry), None
+
+    scan = nn.scan(Cell, variable_broadcast=False, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=3)
+    x, _ = scan(name="scanned")(x, None)
+    return x
+
+
+def test_lifted_submodules_follow_rules():
+  model = jl.mixed_precision(Lifted(), "p=bf16,c=bf16,o=f32")
+  x = jnp.ones((2, 8))
+  variables = model.init(jax.random.key(0), x)
+  params = variables["params"]
+  assert_dtype(params["remat_dense"]["kernel"], jnp.bfloat16)
+  assert_dtype(params["jit_norm"]["scale"], jnp.float32)  # Class rule, lifted.
+  assert params["scanned"]["Dense_0"]["kernel"].shape == (3, 8, 8)
+  assert_dtype(params["scanned"]["Dense_0"]["kernel"], jnp.bfloat16)
+  out = jax.jit(model.apply)(variables, x)
+  assert_dtype(out, jnp.float32)
+  grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(params)
+  assert_dtype(grads["remat_dense"]["kernel"], jnp.bfloat16)
+  assert_dtype(grads["jit_norm"]["scale"], jnp.float32)
+
+
+def test_path_and_class_rules_first_match_and_inheritance():
+  model = jl.mixed_precision(
+      Transformer(), "p=f32,c=bf16,o=f32",
+      rules=[("logits", "f32"),            # A path rule.
+             (nn.MultiHeadDotProductAttention, "c=f16"),  # Children inherit.
+             ("Block_0/Dense_.*", "c=f16"),
+             (nn.Dense, "f32")])           # Never reached for Block_0/Dense_*.
+  tokens = _tokens()
+  variables = model.init(jax.random.key(0), tokens)
+  pol = model.policy_for(variables, tokens)
+  assert pol["logits"] == "p=f32,c=f32,o=f32"
+  assert pol["Block_0/MultiHeadDotProductAttention_0/key"] == "p=f32,c=f16,o=f16"
+  assert pol["Block_0/Dense_0"] == "p=f32,c=f16,o=f16"
+  assert pol["Block_0"] == "p=f32,c=bf16,o=f32"
+  rows = _rows(jl.dtype_report(model, variables, tokens))
+  assert rows["Block_0/MultiHeadDotProductAttention_0/key"].read == "float16"
+  assert rows["logits"].outputs == "float32"
+
+
+def test_enabled_false_is_float32_everywhere():
+  model = jl.mixed_precision(ResNet(), "bf16", enabled=False)
+  x = _images()
+  variables = model.init(jax.random.key(0), x)
+  for leaf in jax.tree.leaves(variables):
+    assert_dtype(leaf, jnp.float32)
+  out, _ = model.apply(variables, x, mutable=["batch_stats"])
+  assert_dtype(out, jnp.float32)
+  text = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"])
+                 ).lower(variables, x).as_text()
+  assert "bf16" not in text
+
+
+def test_bad_rules_give_clear_errors():
+  with pytest.raises(TypeError, match="flax.linen.Module subclasses"):
+    jl.mixed_precision(ResNet(), "bf16", rules=[(int, "f32")])
+  with pytest.raises(TypeError, match="path pattern"):
+    jl.mixed_precision(ResNet(), "bf16", rules=[(3, "f32")])
+  with pytest.raises(ValueError, match="Bad module path pattern"):
+    jl.mixed_precision(ResNet(), "bf16", rules=[("(", "f32")])
+  with pytest.raises(TypeError, match="compute_dtype must be a floating"):
+    jl.mixed_precision(ResNet(), "bf16", rules=[(nn.Dense, jmp_lite.Policy(
+        jnp.float32, jnp.int32, jnp.float32))])
+  with pytest.raises(ValueError, match="Unknown dtype 'int8'"):
+    jl.mixed_precision(ResNet(), "bf16", rules=[(nn.Dense, "c=int8")])
+  with pytest.raises(TypeError, match="matcher, policy"):
+    jl.mixed_precision(ResNet(), "bf16", rules=["Dense"])
+  with pytest.raises(TypeError, match="expects a flax.linen.Module"):
+    jl.mixed_precision(lambda x: x, "bf16")
+  strict = jl.mixed_precision(ResNet(), "bf16", strict=True,
+                              rules=[("decoder/logits", "f32"),
+                                     (nn.Conv, "f32")])
+  with pytest.raises(ValueError, match=r"matched no module: \[\"path "
+                     r"'decoder/logits'.*modules seen: .*ResBlock_0/Conv_0"):
+    strict.init(jax.random.key(0), _images())
+
+
+def test_gradients_in_param_dtype_for_half_params():
+  model = jl.mixed_precision(ResNet(), "p=bf16,c=bf16,o=f32")
+  x = _images()
+  variables = model.init(jax.random.key(0), x)
+  assert_dtype(variables["params"]["Conv_0"]["kernel"], jnp.bfloat16)
+  assert_dtype(variables["params"]["ResBlock_0"]["BatchNorm_0"]["scale"],
+               jnp.float32)
+  grads = jax.grad(lambda p: model.apply(
+      {"params": p, "batch_stats": variables["batch_stats"]}, x,
+      mutable=["batch_stats"])[0].sum())(variables["params"])
+  chex.assert_trees_all_equal_dtypes(grads, variables["params"])
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_presets_train_and_lower_the_loss(level, half):
+  p = preset(level, half=half)
+  model = p.wrap(Transformer())
+  tokens = _tokens()
+  variables = model.init(jax.random.key(0), tokens)
+  params = variables["params"]
+  # Pure float16 (O3) needs an eps float16 can hold (1e-8 rounds to 0).
+  eps = 1e-4 if (level, half) == ("O3", "f16") else 1e-8
+  opt = p.optimizer(optax.adam(3e-3, eps=eps))
+  state = opt.init(params)
+  half_dtype = jmp_lite.dtypes.parse_dtype(half)
+  kernel = params["logits"]["kernel"]
+  expected_param = jnp.float32 if level in ("O0", "O1") else half_dtype
+  assert_dtype(kernel, expected_param)
+  assert_dtype(params["final_norm"]["scale"],
+               half_dtype if level == "O3" else jnp.float32)
+
+  @jax.jit
+  def step(params, state):
+    scale = jmp_lite.current_loss_scale(state)
+
+    def loss_fn(p):
+      logits = model.apply({"params": p}, tokens).astype(jnp.float32)
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens).mean()
+      return scale.scale(loss), loss
+
+    grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(25):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  assert losses[-1] < 0.7 * losses[0], losses
+  chex.assert_trees_all_equal_dtypes(params, variables["params"])
+
+
+def test_o1_runs_only_matmul_layers_in_half():
+  model = preset("O1", half="bf16").wrap(Transformer())
+  tokens = _tokens()
+  variables = model.init(jax.random.key(0), tokens)
+  rows = _rows(jl.dtype_report(model, variables, tokens))
+  assert rows["logits"].read == "bfloat16"
+  assert rows["Block_0/Dense_0"].read == "bfloat16"
+  assert rows["Embed_0"].read == "float32"
+  assert rows["final_norm"].read == "float32"
+  assert rows[""].outputs == "float32"
+
+
+def test_preset_errors():
+  with pytest.raises(ValueError, match="Unknown preset 'O4'"):
+    preset("O4")
+  with pytest.raises(TypeError, match="half must be float16 or bfloat16"):
+    preset("O2", half="f32")
+
+
+def test_cast_by_path_for_plain_pytrees():
+  params = {"encoder": [{"w": jnp.ones(2), "ln_scale": jnp.ones(2)}],
+            "head": {"w": np.ones(2, np.float32), "steps": jnp.array(1)}}
+  out = jmp_lite.cast_by_path(params, "p=bf16,c=bf16",
+                              [(r"ln_", "f32"), (r"^head/", "p=f16")],
+                              to="param")
+  assert_dtype(out["encoder"][0]["w"], jnp.bfloat16)
+  assert_dtype(out["encoder"][0]["ln_scale"], jnp.float32)
+  assert_dtype(out["head"]["w"], jnp.float16)
+  assert isinstance(out["head"]["w"], np.ndarray)
+  assert out["head"]["steps"] is params["head"]["steps"]
+  with pytest.raises(ValueError, match=r"matched no leaf: \['decoder'\]"):
+    jmp_lite.cast_by_path(params, "bf16", [("decoder", "f32")], strict=True)
+  with pytest.raises(ValueError, match="to must be one of"):
+    jmp_lite.cast_by_path(params, "bf16", to="input")
