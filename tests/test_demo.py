@@ -51,3 +51,12 @@ def test_loss_scaling_benchmark_runs_small():
   assert "jmp_lite.loss_scaled" in out.stdout
   assert "(update only)" not in out.stdout  # Table rows, not dict keys.
   assert "Optimizer update alone" in out.stdout
+
+
+def test_policy_overhead_benchmark_runs_small():
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out = subprocess.run(
+      [sys.executable, "benchmarks/policy_overhead.py", "--width", "32",
+       "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+  assert "jmp_lite policy" in out.stdout and "Residuals" in out.stdout

@@ -14,9 +14,14 @@ def test_readme_python_snippets_run():
   namespace: dict = {}
   for i, block in enumerate(blocks):
     exec(compile(block, f"README.md[python block {i}]", "exec"), namespace)
-  # The last snippets left a bfloat16 model trained with master weights.
+  # The snippets left a bfloat16 model trained with master weights and a
+  # Flax model under the O2 preset.
   assert namespace["half_params"]["w"].dtype == namespace["jnp"].bfloat16
-  assert "accumulate_gradients" in blocks[-1]
+  assert namespace["o2"].name == "O2"
+  text = "".join(blocks)
+  for name in ("loss_scaled", "master_weights", "accumulate_gradients",
+               "mixed_precision", "dtype_report", "preset("):
+    assert name in text
 
 
 def test_readme_test_command_is_the_ci_command():
@@ -24,3 +29,12 @@ def test_readme_test_command_is_the_ci_command():
   command = 'pip install -e ".[test]" && python -m pytest -q'
   assert command in README.read_text()
   assert command in ci
+
+
+def test_core_and_optax_layers_import_without_flax():
+  import subprocess
+  import sys
+  code = ("import sys, jmp_lite; assert 'flax' not in sys.modules, "
+          "sorted(m for m in sys.modules if m.startswith('flax'))")
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 cwd=README.parent)
