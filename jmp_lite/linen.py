@@ -73,11 +73,12 @@ class Rule:
     elif isinstance(m, type):
       m = (m,)
     if isinstance(m, tuple):
-      bad = [c for c in m if not (isinstance(c, type) and issubclass(c, nn.Module))]
+      bad = [c for c in m if not (isinstance(c, type) and issubclass(
+          c, _module_bases()))]
       if bad or not m:
         raise TypeError(
-            f"Rule matcher classes must be flax.linen.Module subclasses, got"
-            f" {bad or m!r}"
+            f"Rule matcher classes must be flax.linen.Module (or flax.nnx."
+            f"Module) subclasses, got {bad or m!r}"
         )
     elif not isinstance(m, re.Pattern):
       raise TypeError(
@@ -116,6 +117,11 @@ class Rule:
       return f"path {self.matcher.pattern!r} -> {self.policy}"
     names = ", ".join(c.__name__ for c in self.matcher)
     return f"class {names} -> {self.policy}"
+
+
+def _module_bases() -> tuple[type, ...]:
+  from flax import nnx  # Local: nnx is only needed when nnx rules are used.
+  return (nn.Module, nnx.Module)
 
 
 def _to_rules(rules: Iterable[Any]) -> tuple[Rule, ...]:

@@ -254,7 +254,7 @@ def test_enabled_false_is_float32_everywhere():
 
 
 def test_bad_rules_give_clear_errors():
-  with pytest.raises(TypeError, match="flax.linen.Module subclasses"):
+  with pytest.raises(TypeError, match=r"flax.linen.Module \(or flax.nnx.Module\) subclasses"):
     jl.mixed_precision(ResNet(), "bf16", rules=[(int, "f32")])
   with pytest.raises(TypeError, match="path pattern"):
     jl.mixed_precision(ResNet(), "bf16", rules=[(3, "f32")])
