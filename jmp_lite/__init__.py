@@ -5,6 +5,10 @@ written for ``jmp`` 0.0.4.
 """
 
 from jmp_lite import dtypes as dtypes
+from jmp_lite.autocasting import autocast as autocast
+from jmp_lite.autocasting import autocast_audit as autocast_audit
+from jmp_lite.autocasting import float32_region as float32_region
+from jmp_lite.autocasting import half_region as half_region
 from jmp_lite.accumulation import AccumulateState as AccumulateState
 from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
 from jmp_lite import struct as struct
@@ -48,14 +52,18 @@ __all__ = (
     "StaticLossScale",
     "accumulate_gradients",
     "all_finite",
+    "autocast",
+    "autocast_audit",
     "cast_by_path",
     "cast_to_full",
     "cast_to_half",
     "current_loss_scale",
     "default_loss_scale",
     "dtypes",
+    "float32_region",
     "get_policy",
     "half_dtype",
+    "half_region",
     "loss_scaled",
     "master",
     "master_params",

@@ -80,6 +80,23 @@ class Preset:
       return DynamicLossScale(2.0**15)
     return NoOpLossScale()
 
+  def autocast(self, fn: Any, **options: Any) -> Any:
+    """Op-level autocast in this preset's half dtype (``O1``: float32 params).
+
+    Use it for functions of float32 params instead of :meth:`wrap` to get
+    PyTorch-autocast-style per-operation precision.
+
+    Args:
+      fn: the function to transform.
+      **options: :func:`jmp_lite.autocast` options.
+
+    Returns:
+      The autocast function (identity re-typing for ``O0``).
+    """
+    from jmp_lite.autocasting import autocast
+    dtype = np.dtype(jnp.float32) if self.name == "O0" else self.half
+    return autocast(fn, dtype, **options)
+
   def optimizer(self, inner: optax.GradientTransformation
                 ) -> optax.GradientTransformation:
     """Wraps ``inner`` as this preset needs.

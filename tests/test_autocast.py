@@ -1,0 +1,315 @@
+"""Tests for jmp_lite.autocast: op-level re-typing by rule."""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+HALF = [jnp.bfloat16, jnp.float16]
+# Per-dtype tolerances against float32 (bfloat16 has 8 mantissa bits).
+TOL = {jnp.bfloat16: 5e-2, jnp.float16: 1e-2}
+
+
+def _eqn_dtypes(jaxpr, name):
+  """The float input dtypes of every ``name`` equation, recursively."""
+  out = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == name:
+        out.append(tuple(str(v.aval.dtype) for v in eqn.invars
+                         if jnp.issubdtype(v.aval.dtype, jnp.floating)))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+  return out
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(32)(x))
+    return nn.Dense(4)(x)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    x = nn.LayerNorm()(x)
+    return nn.Dense(3)(x.mean(axis=(1, 2)))
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+    x = x + h
+    return x + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
+
+
+MODELS = {
+    "mlp": (MLP(), lambda: jnp.asarray(
+        np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)),
+    "cnn": (CNN(), lambda: jnp.asarray(
+        np.random.default_rng(0).standard_normal((2, 8, 8, 3)), jnp.float32)),
+    "block": (Block(), lambda: jnp.asarray(
+        np.random.default_rng(0).standard_normal((2, 5, 16)), jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("half", HALF, ids=["bf16", "f16"])
+def test_models_dtypes_outputs_and_grads(name, half):
+  model, make_x = MODELS[name]
+  x = make_x()
+  params = model.init(jax.random.key(0), x)
+
+  def loss(params, x):
+    out = model.apply(params, x)
+    return jnp.mean(jax.nn.log_softmax(out) ** 2)
+
+  cast = jmp_lite.autocast(loss, half)
+  jaxpr = jax.make_jaxpr(cast)(params, x)
+  hname = np.dtype(half).name
+  matmuls = _eqn_dtypes(jaxpr, "dot_general") + _eqn_dtypes(
+      jaxpr, "conv_general_dilated")
+  assert matmuls and all(d == (hname, hname) for d in matmuls), matmuls
+  for deny in ("exp", "log", "reduce_sum", "rsqrt"):
+    for dtypes in _eqn_dtypes(jaxpr, deny):
+      assert all(d == "float32" for d in dtypes), (deny, dtypes)
+  assert _eqn_dtypes(jaxpr, "exp")
+  ref, ref_grads = jax.value_and_grad(loss)(params, x)
+  for fn in (cast, jax.jit(cast)):
+    val, grads = jax.value_and_grad(fn)(params, x)
+    assert_dtype(val, jnp.float32)
+    np.testing.assert_allclose(float(val), float(ref), rtol=TOL[half])
+    chex.assert_trees_all_equal_dtypes(grads, ref_grads)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=10 * TOL[half],
+                                atol=TOL[half] * 0.1)
+
+
+@jax.custom_vjp
+def _scaled_sin(x):
+  return jnp.sin(x) * 2
+
+
+_scaled_sin.defvjp(lambda x: (_scaled_sin(x), jnp.cos(x)),
+                   lambda c, g: (2 * c * g,))
+
+
+def _kitchen_sink(x, w):
+  h = jax.nn.relu(x @ w)                                   # custom_jvp
+  h = jax.lax.scan(lambda c, a: (c + jnp.tanh(a @ w), None),
+                   jnp.zeros(w.shape[1]), h)[0]            # scan
+  h = jax.checkpoint(lambda t: jnp.exp(t * 0.1) @ w)(h)    # remat
+  h = jax.lax.cond(h.sum() > 0, lambda t: t * 2, lambda t: t @ w, h)
+  h = jax.lax.switch(1, [lambda t: t, lambda t: t @ w], h)
+  h = jax.jit(lambda q: jax.nn.softmax(q @ w))(h)          # nested jit
+  h = _scaled_sin(h)                                       # custom_vjp
+  return optax.softmax_cross_entropy(h[None] * 3, jnp.array([[1., 0, 0]])).sum()
+
+
+def _xw():
+  rng = np.random.default_rng(0)
+  return (jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+          jnp.asarray(rng.standard_normal((3, 3)), jnp.float32))
+
+
+@pytest.mark.parametrize("half", HALF, ids=["bf16", "f16"])
+def test_recurses_into_control_flow_and_custom_rules(half):
+  x, w = _xw()
+  g = jmp_lite.autocast(_kitchen_sink, half)
+  jaxpr = jax.make_jaxpr(g)(x, w)
+  dots = _eqn_dtypes(jaxpr, "dot_general")
+  assert len(dots) == 6  # Top level, scan, remat, cond, switch and jit.
+  hname = np.dtype(half).name
+  assert all(d == (hname, hname) for d in dots), dots
+  ref = _kitchen_sink(x, w)
+  for fn in (g, jax.jit(g)):
+    np.testing.assert_allclose(float(fn(x, w)), float(ref), rtol=TOL[half])
+  grads = jax.grad(g, argnums=1)(x, w)
+  ref_grads = jax.grad(_kitchen_sink, argnums=1)(x, w)
+  assert_dtype(grads, jnp.float32)
+  np.testing.assert_allclose(grads, ref_grads, rtol=20 * TOL[half],
+                             atol=TOL[half])
+  batched = jax.vmap(g, in_axes=(0, None))(jnp.stack([x, 2 * x]), w)
+  ref_batched = jax.vmap(_kitchen_sink, in_axes=(0, None))(
+      jnp.stack([x, 2 * x]), w)
+  np.testing.assert_allclose(batched, ref_batched, rtol=TOL[half])
+
+
+def test_while_loop_and_shard_map():
+  x, w = _xw()
+  loop = lambda h: jax.lax.while_loop(
+      lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), (0, h))[1]
+  out = jmp_lite.autocast(loop, "bf16")(x)
+  assert_dtype(out, jnp.float32)
+  ref_loop = loop(x)
+  np.testing.assert_allclose(out, ref_loop, rtol=5e-2,
+                             atol=1e-2 * float(jnp.abs(ref_loop).max()))
+  assert jmp_lite.autocast_audit(loop, "bf16", x).matmul_flops() == {
+      "bfloat16": 72.0}
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  sm = jax.shard_map(lambda a: jax.lax.psum(jnp.exp(a @ a.T), "d"),
+                     mesh=mesh, in_specs=P("d"), out_specs=P())
+  g = jmp_lite.autocast(sm, "bf16")
+  ref = sm(x)
+  np.testing.assert_allclose(jax.jit(g)(x), ref, rtol=5e-2,
+                             atol=1e-2 * float(jnp.abs(ref).max()))
+  audit = jmp_lite.autocast_audit(sm, "bf16", x)
+  assert [(r.primitive, r.dtype) for r in audit.records
+          if r.primitive in ("dot_general", "exp")] == [
+              ("dot_general", "bfloat16"), ("exp", "float32")]
+  ref_grad = jax.grad(lambda a: sm(a).sum())(x)
+  np.testing.assert_allclose(jax.grad(lambda a: g(a).sum())(x), ref_grad,
+                             rtol=5e-2, atol=1e-2 * float(jnp.abs(ref_grad).max()))
+
+
+def test_int_bool_float64_untouched_and_output_dtypes():
+  def f(x, i, b, d):
+    return x @ x.T, i * 2, ~b, d * 2.0, (x.sum() > 0)
+
+  x = jnp.ones((2, 2))
+  i, b = jnp.arange(3), jnp.array([True, False])
+  with jax.enable_x64(True):
+    d = jnp.ones(2, jnp.float64)
+    outs = jmp_lite.autocast(f, "bf16")(x, i, b, d)
+    jaxpr = jax.make_jaxpr(jmp_lite.autocast(f, "bf16"))(x, i, b, d)
+  assert [o.dtype for o in outs] == [jnp.float32, jnp.int32, jnp.bool_,
+                                     jnp.float64, jnp.bool_]
+  assert _eqn_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")]
+  # The float64 multiply stays float64.
+  assert ("float64",) in [d[:1] for d in _eqn_dtypes(jaxpr, "mul")]
+
+
+def test_custom_lists_change_the_result_as_documented():
+  x, w = _xw()
+  f = lambda x, w: jnp.exp(x @ w).sum()
+  deny_dot = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", deny=["dot_general"]))(x, w)
+  assert _eqn_dtypes(deny_dot, "dot_general") == [("float32", "float32")]
+  allow_exp = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", allow=[jax.lax.exp_p]))(x, w)
+  assert _eqn_dtypes(allow_exp, "exp") == [("bfloat16",)]
+  bare = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", use_default_lists=False))(x, w)
+  assert _eqn_dtypes(bare, "dot_general") == [("float32", "float32")]
+  # Values: deny reproduces float32 exactly, the default does not.
+  assert float(jmp_lite.autocast(f, "bf16", deny=["dot_general"])(x, w)) == float(f(x, w))
+  assert float(jmp_lite.autocast(f, "bf16")(x, w)) != float(f(x, w))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(allow=["not_a_prim"]), ValueError, "unknown primitive 'not_a_prim'"),
+    (dict(allow=["dot_generl"]), ValueError, r"did you mean \['dot_general'"),
+    (dict(deny=["scan"]), ValueError, "higher-order primitive"),
+    (dict(allow=["shift_left"]), ValueError, "only on integers"),
+    (dict(allow=["exp"], deny=["exp"]), ValueError, "both allow and deny"),
+    (dict(allow=[3]), TypeError, "primitive names or jax primitives"),
+    (dict(exclude_scopes="loss"), TypeError, "sequence of scope names"),
+])
+def test_bad_lists(kwargs, err, match):
+  with pytest.raises(err, match=match):
+    jmp_lite.autocast(lambda x: x, "bf16", **kwargs)
+
+
+def test_bad_dtype_and_callable():
+  with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+    jmp_lite.autocast(lambda x: x, "f64")
+  with pytest.raises(TypeError, match="compute_dtype|policy_or_dtype"):
+    jmp_lite.autocast(lambda x: x, jnp.int8)
+  with pytest.raises(TypeError, match="expects a callable"):
+    jmp_lite.autocast(3, "bf16")
+
+
+def test_scopes_exclude_and_force():
+  def f(x):
+    with jax.named_scope("keep"):
+      a = x @ x
+    with jax.named_scope("hot"):
+      b = jnp.exp(x)
+    with jmp_lite.float32_region():
+      c = x @ x
+    with jmp_lite.half_region():
+      d = jnp.exp(x)
+    return a, b, c, d
+
+  x = jnp.ones((2, 2))
+  jaxpr = jax.make_jaxpr(jmp_lite.autocast(
+      f, "bf16", exclude_scopes=["keep"], force_scopes=["hot"]))(x)
+  assert _eqn_dtypes(jaxpr, "dot_general") == [("float32", "float32")] * 2
+  assert _eqn_dtypes(jaxpr, "exp") == [("bfloat16",)] * 2
+
+
+def test_works_under_vmap_jit_grad_and_in_scan_of_autocast():
+  x, w = _xw()
+  f = lambda x: jnp.tanh(x @ w).sum()
+  g = jmp_lite.autocast(f, "bf16")
+  vg = jax.jit(jax.vmap(jax.grad(g)))(jnp.stack([x, x]))
+  ref = jax.vmap(jax.grad(f))(jnp.stack([x, x]))
+  np.testing.assert_allclose(vg, ref, rtol=5e-2, atol=1e-2)
+  carry = jax.lax.scan(lambda c, a: (c + g(a), None), 0.0,
+                       jnp.stack([x, x]))[0]
+  np.testing.assert_allclose(carry, 2 * f(x), rtol=5e-2)
+
+
+def test_python_arguments_stay_static():
+  def f(x, scale, flag):
+    return x * scale if flag else x
+  g = jmp_lite.autocast(f, "bf16")
+  np.testing.assert_allclose(g(jnp.ones(2), 3.0, True), 3.0)
+  np.testing.assert_allclose(g(jnp.ones(2), 3.0, False), 1.0)
+
+
+def test_audit_reports_flop_share():
+  def f(x, w1, w2):
+    with jmp_lite.float32_region():
+      h = x @ w1                 # 2*4*8*8 = 512 FLOPs in float32
+    return h @ w2                # 2*4*8*2 = 128 FLOPs in bfloat16
+
+  audit = jmp_lite.autocast_audit(f, "bf16", jnp.ones((4, 8)),
+                                  jnp.ones((8, 8)), jnp.ones((8, 2)))
+  assert audit.matmul_flops() == {"float32": 512.0, "bfloat16": 128.0}
+  assert audit.half_flop_fraction() == pytest.approx(0.2)
+  assert "matmul/conv FLOPs in half precision: 20.0%" in str(audit)
+  conv = jmp_lite.autocast_audit(
+      lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"), "bf16",
+      jnp.ones((1, 3, 5, 5)), jnp.ones((4, 3, 3, 3)))
+  # 2 * out elements (1*4*3*3) * MACs per output (3*3*3).
+  assert conv.matmul_flops() == {"bfloat16": 2.0 * 36 * 27}
+  with pytest.raises(TypeError, match="Unknown autocast options"):
+    jmp_lite.autocast_audit(f, "bf16", jnp.ones((4, 8)), jnp.ones((8, 8)),
+                            jnp.ones((8, 2)), colour="red")
+
+
+def test_o1_preset_combines_policy_and_autocast():
+  from jmp_lite.presets import preset
+  model, make_x = MODELS["mlp"]
+  x = make_x()
+  params = model.init(jax.random.key(0), x)
+  fn = preset("O1", half="bf16").autocast(model.apply)
+  assert_dtype(fn(params, x), jnp.float32)
+  audit = jmp_lite.autocast_audit(model.apply, "bf16", params, x)
+  assert audit.half_flop_fraction() == 1.0
+  for leaf in jax.tree.leaves(params):
+    assert_dtype(leaf, jnp.float32)  # float32 params
+
+
+def test_supported_jax_version_and_internals():
+  """The JAX internals autocast relies on exist in the pinned versions."""
+  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+  assert (major, minor) == (0, 10), jax.__version__
+  from jax._src import config, core, linear_util
+  from jax._src.interpreters import partial_eval
+  assert callable(core.extend_axis_env_nd) and callable(config._check_vma)
+  assert callable(partial_eval.trace_to_jaxpr_dynamic)
+  assert callable(linear_util.wrap_init)
