@@ -60,3 +60,12 @@ def test_policy_overhead_benchmark_runs_small():
        "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
       capture_output=True, text=True, check=True, cwd=ROOT, env=env)
   assert "jmp_lite policy" in out.stdout and "Residuals" in out.stdout
+
+
+def test_autocast_benchmark_runs_small():
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out = subprocess.run(
+      [sys.executable, "benchmarks/autocast_overhead.py", "--width", "32",
+       "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+  assert "jmp_lite.autocast" in out.stdout and "Time to lower" in out.stdout
