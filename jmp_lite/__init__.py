@@ -5,6 +5,13 @@ written for ``jmp`` 0.0.4.
 """
 
 from jmp_lite import dtypes as dtypes
+from jmp_lite.diagnostics import PrecisionWarning as PrecisionWarning
+from jmp_lite.diagnostics import check_alignment as check_alignment
+from jmp_lite.diagnostics import check_hardware as check_hardware
+from jmp_lite.diagnostics import find_nonfinite as find_nonfinite
+from jmp_lite.diagnostics import gradient_health as gradient_health
+from jmp_lite.diagnostics import nonfinite_counts as nonfinite_counts
+from jmp_lite.diagnostics import nonfinite_paths as nonfinite_paths
 from jmp_lite.autocasting import autocast as autocast
 from jmp_lite.autocasting import autocast_audit as autocast_audit
 from jmp_lite.autocasting import float32_region as float32_region
@@ -46,6 +53,7 @@ __all__ = (
     "LossScaledState",
     "MasterWeightsState",
     "NonFiniteHaltError",
+    "PrecisionWarning",
     "NoOpLossScale",
     "Policy",
     "SkipNonfiniteState",
@@ -55,12 +63,16 @@ __all__ = (
     "autocast",
     "autocast_audit",
     "cast_by_path",
+    "check_alignment",
+    "check_hardware",
     "cast_to_full",
     "cast_to_half",
     "current_loss_scale",
     "default_loss_scale",
     "dtypes",
+    "find_nonfinite",
     "float32_region",
+    "gradient_health",
     "get_policy",
     "half_dtype",
     "half_region",
@@ -68,6 +80,8 @@ __all__ = (
     "master",
     "master_params",
     "master_weights",
+    "nonfinite_counts",
+    "nonfinite_paths",
     "path_rules",
     "raise_if_halted",
     "select_tree",

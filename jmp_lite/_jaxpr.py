@@ -122,3 +122,32 @@ def primitives_by_name() -> dict[str, Any]:
 
 def has_subjaxprs(eqn: Any) -> bool:
   return any(True for _ in jex.jaxprs_in_params(eqn.params))
+
+
+def source_location(eqn: Any) -> str:
+  """``file:line:column (function)`` of the user code behind ``eqn``."""
+  from jax._src import source_info_util as _siu  # Internal (see module doc).
+  try:
+    return _siu.summarize(eqn.source_info)
+  except Exception:  # Best effort: a location is a hint, never an error.
+    return "<unknown>"
+
+
+def inline_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+  """The (jaxpr, consts) a call-like equation evaluates, or None.
+
+  For ``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat2`` and
+  ``closed_call``: evaluating that jaxpr on the equation's inputs gives its
+  outputs. Control flow (``scan``, ``while``, ``cond``) is not call-like.
+  """
+  name = eqn.primitive.name
+  if name not in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call",
+                  "remat2", "checkpoint", "closed_call", "core_call"):
+    return None
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    sub = eqn.params.get(key)
+    if isinstance(sub, jex.ClosedJaxpr):
+      return sub.jaxpr, sub.consts
+    if isinstance(sub, jex.Jaxpr):
+      return sub, ()
+  return None

@@ -59,6 +59,9 @@ class LossScaledState:
     consecutive_skips: skipped steps since the last applied one (int32).
     last_finite: whether the last step's gradients were finite (bool).
     name: a label that tells several loss-scaled optimizers apart (static).
+    nonfinite: with ``track_nonfinite=True``, the last step's per-leaf counts
+      of non-finite gradient elements (see ``jmp_lite.nonfinite_paths``);
+      otherwise ``None``.
   """
 
   inner_state: Any
@@ -67,6 +70,7 @@ class LossScaledState:
   consecutive_skips: Any
   last_finite: Any
   name: str | None = struct.field(static=True, default=None)
+  nonfinite: Any = None
 
 
 class _Counters(NamedTuple):
@@ -255,6 +259,7 @@ def loss_scaled(
     axis_name: Any = None,
     name: str | None = None,
     allow_half_state: bool = False,
+    track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
 
@@ -279,6 +284,8 @@ def loss_scaled(
       leaves (Adam's moments take the dtype of half-precision params, and
       then small updates vanish) unless this is ``True``. The usual fix is
       :func:`master_weights` around this transformation.
+    track_nonfinite: keep per-leaf counts of non-finite gradient elements in
+      ``state.nonfinite`` (costs one more read of the gradients).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -316,6 +323,12 @@ def loss_scaled(
   initial_scale = loss_scale
   check_unscaled = _may_amplify(loss_scale)
 
+  def tracked(grads: Any) -> Any:
+    if not track_nonfinite:
+      return None
+    from jmp_lite.diagnostics import nonfinite_counts  # Avoids an import cycle.
+    return nonfinite_counts(grads)
+
   def init(params: Any) -> LossScaledState:
     inner_state = inner.init(params)
     half = half_precision_leaves(inner_state)
@@ -335,6 +348,7 @@ def loss_scaled(
         consecutive_skips=jnp.zeros((), jnp.int32),
         last_finite=jnp.ones((), jnp.bool_),
         name=name,
+        nonfinite=tracked(params),
     )
 
   def update(grads: Any, state: LossScaledState, params: Any = None,
@@ -359,6 +373,7 @@ def loss_scaled(
         consecutive_skips=counts.consecutive_skips,
         last_finite=finite,
         name=state.name,
+        nonfinite=tracked(grads),
     )
 
   return optax.GradientTransformationExtraArgs(init, update)

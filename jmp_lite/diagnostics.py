@@ -1,0 +1,418 @@
+"""Numerics diagnostics: where precision is lost and why a step was skipped.
+
+All array functions here are jit-safe and never sync with the host; the
+helpers that print or return Python values say so.
+
+* :func:`nonfinite_counts` — per parameter path, how many gradient elements
+  are +-inf/NaN (also kept by ``loss_scaled(..., track_nonfinite=True)``).
+* :func:`gradient_health` — per path, the fraction of gradient elements that
+  underflow to zero or overflow in the compute dtype at the current scale
+  (Colossal-AI's ``log_num_zeros_in_grad``), and how many powers of two the
+  scale could still grow before the largest gradient overflows.
+* :func:`find_nonfinite` — re-runs a function primitive by primitive and names
+  the first one that produced inf/NaN, with its source line.
+* :func:`check_alignment` — matmuls/convolutions whose dimensions are not
+  multiples of 8 (tensor cores), with a fix.
+* :func:`check_hardware` — warns when a half dtype runs slowly on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import _jaxpr
+from jmp_lite import dtypes as _dtypes
+from jmp_lite.path_rules import path_string
+
+
+class PrecisionWarning(UserWarning):
+  """A half-precision dtype that the device runs slowly or not at all."""
+
+
+def nonfinite_counts(tree: Any) -> Any:
+  """Counts the +-inf/NaN elements of every inexact leaf (int32 scalars).
+
+  Args:
+    tree: gradients (or any pytree).
+
+  Returns:
+    A pytree of the same structure: an int32 count per inexact leaf, ``None``
+    elsewhere. Jit-safe.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> counts = jmp_lite.nonfinite_counts({"a": jnp.array([1., jnp.inf, jnp.nan]),
+    ...                                     "b": jnp.ones(2)})
+    >>> int(counts["a"]), int(counts["b"])
+    (2, 0)
+  """
+  return jax.tree.map(
+      lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+      if _dtypes.is_inexact_array(x) else None, tree)
+
+
+def nonfinite_paths(counts: Any) -> dict[str, int]:
+  """The paths with a non-zero count, from :func:`nonfinite_counts` (host).
+
+  Args:
+    counts: the counts pytree (device values are fetched: a host sync).
+
+  Returns:
+    ``{"layer/kernel": count}`` for every leaf with non-finite elements.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> grads = {"dense": {"w": jnp.array([jnp.nan, 1.0])}, "b": jnp.ones(1)}
+    >>> jmp_lite.nonfinite_paths(jmp_lite.nonfinite_counts(grads))
+    {'dense/w': 1}
+  """
+  out = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(counts)[0]:
+    n = int(value)
+    if n:
+      out[path_string(path)] = n
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientHealth:
+  """What a dtype and a loss scale do to a set of gradients.
+
+  Attributes:
+    underflow: per leaf, the fraction of non-zero gradient elements that
+      become zero when scaled and cast to the compute dtype.
+    overflow: per leaf, the fraction that become +-inf (or are not finite).
+    zeros: per leaf, the number of elements that are zero in the compute dtype
+      (Colossal-AI's ``log_num_zeros_in_grad``).
+    headroom_bits: ``log2(largest finite value / largest scaled gradient)``:
+      how many doublings of the scale are still safe (negative: already
+      overflowing).
+  """
+
+  underflow: Any
+  overflow: Any
+  zeros: Any
+  headroom_bits: Any
+
+
+jax.tree_util.register_dataclass(
+    GradientHealth, data_fields=["underflow", "overflow", "zeros",
+                                 "headroom_bits"], meta_fields=[])
+
+
+def gradient_health(grads: Any, loss_scale: Any = 1.0,
+                    dtype: Any = jnp.float16) -> GradientHealth:
+  """Measures underflow and overflow of (unscaled) gradients at a scale.
+
+  Args:
+    grads: the *unscaled* gradients, in float32 (say, from a float32 run or
+      after ``unscale``).
+    loss_scale: a number, a scalar array or a loss-scale state.
+    dtype: the half dtype the scaled gradients would live in.
+
+  Returns:
+    A :class:`GradientHealth` (a pytree of arrays; jit-safe).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> g = {"w": jnp.array([1e-9, 1e-3, 0.0])}
+    >>> h = jmp_lite.gradient_health(g, 1.0)
+    >>> float(h.underflow["w"])  # 1e-9 underflows float16, 1e-3 does not.
+    0.5
+    >>> round(float(jmp_lite.gradient_health(g, 2.0 ** 10).underflow["w"]), 2)
+    0.0
+  """
+  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  scale = jnp.asarray(getattr(loss_scale, "loss_scale", loss_scale),
+                      jnp.float32)
+  fmax = float(jnp.finfo(dtype).max)
+
+  def leaf_stats(x):
+    if not _dtypes.is_floating_array(x):
+      return None
+    wide = x.astype(jnp.float32) * scale
+    cast = wide.astype(dtype)
+    nonzero = wide != 0
+    n_nonzero = jnp.maximum(jnp.sum(nonzero), 1)
+    under = jnp.sum(nonzero & (cast == 0)) / n_nonzero
+    over = jnp.mean(~jnp.isfinite(cast))
+    zeros = jnp.sum(cast == 0, dtype=jnp.int32)
+    return under.astype(jnp.float32), over.astype(jnp.float32), zeros
+
+  stats = jax.tree.map(leaf_stats, grads)
+  is_stat = lambda s: isinstance(s, tuple)
+  pick = lambda i: jax.tree.map(lambda s: s[i], stats, is_leaf=is_stat)
+  biggest = [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in
+             jax.tree.leaves(grads) if _dtypes.is_floating_array(x)]
+  largest = (jnp.max(jnp.stack(biggest)) * scale if biggest
+             else jnp.float32(0))
+  headroom = jnp.log2(fmax / jnp.maximum(largest, jnp.finfo(jnp.float32).tiny))
+  return GradientHealth(underflow=pick(0), overflow=pick(1), zeros=pick(2),
+                        headroom_bits=headroom)
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteOrigin:
+  """The first primitive that produced inf/NaN, as :func:`find_nonfinite` saw.
+
+  Attributes:
+    primitive: its name.
+    location: ``file:line:column (function)`` of the code that issued it.
+    dtype: the float dtype it ran in.
+    input_ranges: ``(min, max)`` of each floating input (NaN-aware).
+    output_nonfinite: how many output elements are non-finite.
+    within: the enclosing call-like primitives (``jit``, ``custom_jvp_call``).
+  """
+
+  primitive: str
+  location: str
+  dtype: str
+  input_ranges: tuple[tuple[float, float], ...]
+  output_nonfinite: int
+  within: tuple[str, ...]
+
+  def __str__(self) -> str:
+    ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
+    where = " > ".join(self.within + (self.primitive,))
+    return (f"first non-finite value: {where} in {self.dtype} at"
+            f" {self.location}; input ranges {ranges};"
+            f" {self.output_nonfinite} non-finite output element(s)")
+
+
+class _Found(Exception):
+  def __init__(self, origin: NonfiniteOrigin):
+    super().__init__(str(origin))
+    self.origin = origin
+
+
+def _ranges(values: Sequence[Any]) -> tuple[tuple[float, float], ...]:
+  out = []
+  for v in values:
+    if _dtypes.is_floating_array(v) and np.size(v):
+      a = np.asarray(v, np.float32)
+      out.append((float(np.nanmin(a)), float(np.nanmax(a))))
+  return tuple(out)
+
+
+def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+                   within: tuple[str, ...]) -> list[Any]:
+  env: dict[Any, Any] = {}
+  read = lambda a: a.val if _jaxpr.is_literal(a) else env[a]
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var] = value
+  for var, value in zip(jaxpr.invars, args):
+    env[var] = value
+  for eqn in jaxpr.eqns:
+    invals = [read(a) for a in eqn.invars]
+    inlined = _jaxpr.inline_jaxpr(eqn)
+    if inlined is not None:
+      sub, sub_consts = inlined
+      outs = _eval_checking(sub, sub_consts, invals,
+                            within + (eqn.primitive.name,))
+    else:
+      outs = _jaxpr.bind(eqn, dict(eqn.params), invals)
+    bad = sum(int(np.sum(~np.isfinite(np.asarray(o))))
+              for o in outs if _dtypes.is_inexact_array(o))
+    if bad:
+      inputs_finite = all(
+          bool(np.all(np.isfinite(np.asarray(v)))) for v in invals
+          if _dtypes.is_inexact_array(v))
+      if inputs_finite:
+        floats = [np.dtype(v.dtype).name for v in invals
+                  if _dtypes.is_floating_array(v)]
+        raise _Found(NonfiniteOrigin(
+            primitive=eqn.primitive.name,
+            location=_jaxpr.source_location(eqn),
+            dtype=floats[0] if floats else "-",
+            input_ranges=_ranges(invals), output_nonfinite=bad,
+            within=within))
+    for var, value in zip(eqn.outvars, outs):
+      env[var] = value
+  return [read(v) for v in jaxpr.outvars]
+
+
+def find_nonfinite(fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> NonfiniteOrigin | None:
+  """Runs ``fn`` primitive by primitive; names the first to produce inf/NaN.
+
+  Only a primitive whose *inputs* were all finite counts, so the report
+  points at where non-finite values are born, not where they spread. Nested
+  ``jit`` and ``custom_jvp``/``custom_vjp`` functions are entered; control
+  flow (``scan``, ``while``, ``cond``) is reported as a whole. Runs eagerly
+  (a host sync per primitive): a debugging tool, not for a training loop.
+
+  Args:
+    fn: the function (e.g. a loss, or ``jax.grad`` of one).
+    *args: its array arguments.
+    **kwargs: passed through unchanged.
+
+  Returns:
+    A :class:`NonfiniteOrigin`, or ``None`` if everything stayed finite.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> def f(x):
+    ...   return jnp.exp(x * 100.0).sum()
+    >>> origin = jmp_lite.find_nonfinite(f, jnp.ones(3, jnp.float16))
+    >>> origin.primitive, origin.dtype
+    ('exp', 'float16')
+  """
+  leaves, treedef = jax.tree.flatten(args)
+
+  def flat(*xs):
+    return fn(*jax.tree.unflatten(treedef, xs), **kwargs)
+
+  closed, _ = _jaxpr.trace(flat, *leaves)
+  try:
+    _eval_checking(closed.jaxpr, closed.consts, leaves, ())
+  except _Found as found:
+    return found.origin
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Misaligned:
+  """A matmul or convolution with dimensions tensor cores dislike.
+
+  Attributes:
+    primitive: ``dot_general`` or ``conv_general_dilated``.
+    location: the source line.
+    dims: ``{"M": 1000, ...}`` of the misaligned dimensions.
+    hint: how to fix it.
+  """
+
+  primitive: str
+  location: str
+  dims: dict[str, int]
+  hint: str
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _matmul_dims(eqn: Any) -> dict[str, int]:
+  if eqn.primitive.name == "dot_general":
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    rhs = eqn.invars[1].aval.shape
+    m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
+    n = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+    k = math.prod(lhs[i] for i in lc)
+    return {"M": m, "N": n, "K": k}
+  dn = eqn.params["dimension_numbers"]
+  rhs = eqn.invars[1].aval.shape
+  groups = eqn.params.get("feature_group_count", 1)
+  return {"out_channels": rhs[dn.rhs_spec[0]],
+          "in_channels": rhs[dn.rhs_spec[1]] * groups}
+
+
+def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
+                    **kwargs: Any) -> list[Misaligned]:
+  """Lists the matmuls/convolutions whose dimensions are not multiples of 8.
+
+  Tensor cores run float16/bfloat16 matmuls fastest when M, N and K (and
+  convolution channels) are multiples of 8 (PaddlePaddle's advice; 16 or more
+  helps on A100 and newer: pass ``multiple=16``). Traces abstractly.
+
+  Args:
+    fn: the function.
+    *args: example inputs.
+    multiple: the required multiple.
+    **kwargs: passed through.
+
+  Returns:
+    One :class:`Misaligned` per offending primitive (sub-computations
+    included); empty if all are aligned. Batch sizes (M) are reported too:
+    pad the batch or choose a multiple.
+
+  Raises:
+    ValueError: if ``multiple`` < 1.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> [m.dims for m in jmp_lite.check_alignment(
+    ...     lambda x, w: x @ w, jnp.ones((64, 100)), jnp.ones((100, 10)))]
+    [{'N': 10, 'K': 100}]
+  """
+  if multiple < 1:
+    raise ValueError(f"multiple must be >= 1, got {multiple}")
+  closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+  found: list[Misaligned] = []
+
+  def walk(jaxpr: Any) -> None:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+        dims = {k: v for k, v in _matmul_dims(eqn).items() if v % multiple}
+        if dims:
+          fixes = ", ".join(f"{k} {v} -> {_round_up(v, multiple)}"
+                            for k, v in dims.items())
+          found.append(Misaligned(
+              primitive=eqn.primitive.name,
+              location=_jaxpr.source_location(eqn), dims=dims,
+              hint=f"pad to multiples of {multiple}: {fixes}"))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(closed.jaxpr)
+  return found
+
+
+def check_hardware(dtype: Any, device: Any = None, *,
+                   warn: bool = True) -> list[str]:
+  """Warns when ``dtype`` runs slowly (or not at all) on ``device``.
+
+  * float16 on NVIDIA GPUs below compute capability 7.0 (no tensor cores:
+    PaddlePaddle's warning), bfloat16 below 8.0 (emulated);
+  * float16 on TPUs (no native float16 matmuls: use bfloat16);
+  * any half dtype on the CPU (emulated, usually slower than float32).
+
+  Args:
+    dtype: a dtype, name, or :class:`~jmp_lite.Policy` (its compute dtype).
+    device: a ``jax.Device``; defaults to the first local device.
+    warn: also issue each message as a :class:`PrecisionWarning`.
+
+  Returns:
+    The messages (empty when the dtype suits the device).
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.check_hardware("f32")
+    []
+  """
+  dtype = getattr(dtype, "compute_dtype", dtype)
+  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  if device is None:
+    device = jax.local_devices()[0]
+  platform = device.platform.lower()
+  name = dtype.name
+  messages = []
+  half = dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+  if half and platform == "cpu":
+    messages.append(
+        f"{name} on the CPU is emulated and usually slower than float32;"
+        " mixed precision pays off on GPUs and TPUs")
+  elif half and platform in ("gpu", "cuda"):
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None:
+      major, minor = (int(p) for p in str(cc).split(".")[:2])
+      need = (7, 0) if dtype == np.dtype(jnp.float16) else (8, 0)
+      if (major, minor) < need:
+        messages.append(
+            f"{name} on a GPU of compute capability {cc} (below"
+            f" {need[0]}.{need[1]}) has no tensor-core support and runs"
+            f" slowly; use float32"
+            + (" or float16" if name == "bfloat16" and major >= 7 else ""))
+  elif dtype == np.dtype(jnp.float16) and platform == "tpu":
+    messages.append("float16 has no native TPU support; use bfloat16")
+  if warn:
+    for m in messages:
+      warnings.warn(m, PrecisionWarning, stacklevel=2)
+  return messages

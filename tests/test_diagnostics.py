@@ -1,0 +1,145 @@
+"""Tests for jmp_lite.diagnostics."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+
+
+def test_nonfinite_counts_jitted_and_paths():
+  grads = {"enc": {"w": jnp.array([[1.0, jnp.inf], [jnp.nan, 2.0]])},
+           "head": jnp.ones(3, jnp.bfloat16), "step": jnp.array(3)}
+  counts = jax.jit(jmp_lite.nonfinite_counts)(grads)
+  assert int(counts["enc"]["w"]) == 2 and int(counts["head"]) == 0
+  assert counts["step"] is None
+  assert jmp_lite.nonfinite_paths(counts) == {"enc/w": 2}
+
+
+def test_loss_scaled_tracks_nonfinite_paths_inside_jit():
+  params = {"a": jnp.ones(2), "b": {"c": jnp.ones(3)}}
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(4.0),
+                             track_nonfinite=True)
+  state = opt.init(params)
+  grads = {"a": jnp.ones(2), "b": {"c": jnp.array([1.0, jnp.nan, jnp.inf])}}
+  _, state = jax.jit(opt.update)(grads, state, params)
+  assert not bool(state.last_finite)
+  assert jmp_lite.nonfinite_paths(state.nonfinite) == {"b/c": 2}
+  untracked = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.NoOpLossScale())
+  assert untracked.init(params).nonfinite is None
+
+
+def test_gradient_health_underflow_overflow_headroom():
+  grads = {"small": jnp.array([1e-9, 2e-9, 1e-3, 0.0], jnp.float32),
+           "big": jnp.array([1.0, 30000.0], jnp.float32)}
+  health = jax.jit(jmp_lite.gradient_health, static_argnums=2)(
+      grads, 1.0, "float16")
+  assert float(health.underflow["small"]) == pytest.approx(2 / 3)
+  assert float(health.overflow["big"]) == 0.0
+  assert int(health.zeros["small"]) == 3
+  # 65504 / 30000: about 1.13 doublings left.
+  assert float(health.headroom_bits) == pytest.approx(np.log2(65504 / 30000),
+                                                      rel=1e-4)
+  scaled = jmp_lite.gradient_health(grads, jmp_lite.StaticLossScale(2.0**4))
+  assert float(scaled.overflow["big"]) == 0.5      # 30000 * 16 overflows
+  assert float(scaled.headroom_bits) < 0
+  # 1e-9 * 16 still underflows; 2e-9 * 16 rounds up to the smallest subnormal.
+  assert float(scaled.underflow["small"]) == pytest.approx(1 / 3)
+  bigger = jmp_lite.gradient_health(grads, 2.0**-4 * 2.0**30, "float16")
+  assert float(bigger.underflow["small"]) == 0.0  # 1e-9 * 2**26 survives
+
+
+def test_find_nonfinite_names_the_first_primitive():
+  def inner(h):
+    return jnp.log(h - 1.0)        # log(0) = -inf when h == 1
+
+  def loss(x, w):
+    h = jax.nn.relu(x @ w)
+    z = jax.jit(inner)(h)
+    return jnp.sum(z * 2)          # inf spreads here, but is not born here
+
+  x = jnp.ones((1, 2))
+  w = jnp.array([[0.5], [0.5]])
+  origin = jmp_lite.find_nonfinite(loss, x, w)
+  assert origin.primitive == "log"
+  assert origin.within == ("jit",)
+  assert origin.dtype == "float32"
+  assert origin.input_ranges == ((0.0, 0.0),)
+  assert "test_diagnostics.py" in origin.location and "inner" in origin.location
+  assert "log" in str(origin)
+  assert jmp_lite.find_nonfinite(loss, x, w * 3) is None
+
+
+def test_find_nonfinite_in_float16_overflow_and_gradients():
+  def f(x):
+    return (x * x).sum()
+  origin = jmp_lite.find_nonfinite(f, jnp.full((3,), 300.0, jnp.float16))
+  assert (origin.primitive, origin.dtype) == ("mul", "float16")
+  assert origin.input_ranges == ((300.0, 300.0), (300.0, 300.0))
+  grad_origin = jmp_lite.find_nonfinite(
+      jax.grad(lambda x: jnp.sqrt(x).sum()), jnp.zeros(2))
+  assert grad_origin is not None and grad_origin.primitive in ("div", "mul",
+                                                               "integer_pow",
+                                                               "pow", "rsqrt")
+
+
+def test_check_alignment():
+  def f(x, w1, w2, k):
+    h = x @ w1
+    y = jax.lax.conv_general_dilated(k, jnp.ones((12, 3, 3, 3)), (1, 1), "SAME")
+    return h @ w2, y
+
+  found = jmp_lite.check_alignment(
+      f, jnp.ones((64, 1002)), jnp.ones((1002, 512)), jnp.ones((512, 10)),
+      jnp.ones((1, 3, 8, 8)))
+  dims = [m.dims for m in found]
+  assert {"K": 1002} in dims
+  assert {"N": 10} in dims
+  assert {"out_channels": 12, "in_channels": 3} in dims
+  hint = next(m.hint for m in found if m.dims == {"K": 1002})
+  assert "K 1002 -> 1008" in hint
+  assert all("test_diagnostics.py" in m.location for m in found)
+  assert jmp_lite.check_alignment(lambda a, b: a @ b, jnp.ones((16, 32)),
+                                  jnp.ones((32, 8))) == []
+  assert [m.dims for m in jmp_lite.check_alignment(
+      lambda a, b: a @ b, jnp.ones((16, 24)), jnp.ones((24, 8)),
+      multiple=16)] == [{"K": 24, "N": 8}]
+  with pytest.raises(ValueError, match="multiple must be >= 1"):
+    jmp_lite.check_alignment(lambda a: a, jnp.ones(1), multiple=0)
+
+
+def _device(platform, cc=None):
+  d = types.SimpleNamespace(platform=platform)
+  if cc is not None:
+    d.compute_capability = cc
+  return d
+
+
+@pytest.mark.parametrize("dtype,device,expect", [
+    ("f16", _device("gpu", "6.1"), "below 7.0"),
+    ("bf16", _device("gpu", "7.5"), "below 8.0"),
+    ("f16", _device("gpu", "7.5"), None),
+    ("bf16", _device("gpu", "9.0"), None),
+    ("f16", _device("tpu"), "no native TPU support"),
+    ("bf16", _device("tpu"), None),
+    ("bf16", _device("cpu"), "emulated"),
+    ("f32", _device("gpu", "6.1"), None),
+])
+def test_check_hardware(dtype, device, expect):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    messages = jmp_lite.check_hardware(dtype, device)
+  if expect is None:
+    assert messages == [] and not caught
+  else:
+    assert len(messages) == 1 and expect in messages[0]
+    assert caught and issubclass(caught[0].category, jmp_lite.PrecisionWarning)
+  assert jmp_lite.check_hardware(jmp_lite.get_policy(f"c={dtype}"), device,
+                                 warn=False) == messages
