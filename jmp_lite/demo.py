@@ -1,16 +1,19 @@
-"""The demo behind ``python -m jmp_lite``: one model, three precisions.
+"""The demo behind ``python -m jmp_lite``: one model, several precisions.
 
-Trains the same small Flax MLP on a synthetic regression task in float32,
-bfloat16 and float16 (with dynamic loss scaling) on the default backend and
-prints a comparison table.
+Trains the same Flax MLP (written with no dtype arguments; precision comes
+from :func:`jmp_lite.linen.mixed_precision`) on a synthetic regression task on
+the default backend and prints the seeds' comparison table: time per step and
+speed-up over float32, final loss, skipped steps, and memory (params +
+optimizer state, and the activations saved for the backward pass).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,44 @@ import numpy as np
 import optax
 
 import jmp_lite
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One precision recipe of the demo.
+
+  Attributes:
+    policy: the policy string.
+    loss_scale: makes the initial loss scale.
+    master: keep float32 master weights (half params).
+    description: one line for ``--help``.
+  """
+
+  policy: str
+  loss_scale: Callable[[], jmp_lite.LossScale]
+  master: bool
+  description: str
+
+
+RUNS: dict[str, Run] = {
+    "f32": Run("p=f32,c=f32,o=f32", jmp_lite.NoOpLossScale, False,
+               "float32 everywhere (O0)"),
+    "bf16": Run("p=f32,c=bf16,o=f32", jmp_lite.NoOpLossScale, False,
+                "float32 params, bfloat16 compute"),
+    "f16": Run("p=f32,c=f16,o=f32",
+               lambda: jmp_lite.DynamicLossScale(2.0**15, period=100), False,
+               "float32 params, float16 compute, dynamic loss scaling"),
+    "o2-bf16": Run("p=bf16,c=bf16,o=f32", jmp_lite.NoOpLossScale, True,
+                   "bfloat16 params and compute, float32 master weights (O2)"),
+    "o2-f16": Run("p=f16,c=f16,o=f32",
+                  lambda: jmp_lite.DynamicLossScale(2.0**15, period=100), True,
+                  "float16 params and compute, master weights, dynamic"
+                  " scaling (O2)"),
+    "pure-f16": Run("p=f16,c=f16,o=f16", jmp_lite.NoOpLossScale, False,
+                    "float16 everything, no loss scaling, no master weights"
+                    " (what goes wrong)"),
+}
+DEFAULT_RUNS = ("f32", "bf16", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,23 +73,20 @@ class Row:
   param_bytes: int
   skipped: int
   final_scale: float
+  state_bytes: int = 0
+  activation_bytes: int = 0
 
 
-def _make_model(policy: jmp_lite.Policy, width: int, depth: int, out: int):
+def _make_model(width: int, depth: int, out: int):
   import flax.linen as nn  # Local: the core library never needs Flax.
 
   class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-      x = policy.cast_to_compute(x)
       for _ in range(depth):
-        x = nn.Dense(width, dtype=policy.compute_dtype,
-                     param_dtype=policy.param_dtype)(x)
-        x = nn.gelu(x)
-      x = nn.Dense(out, dtype=policy.compute_dtype,
-                   param_dtype=policy.param_dtype)(x)
-      return policy.cast_to_output(x)
+        x = nn.gelu(nn.Dense(width)(x))
+      return nn.Dense(out)(x)
 
   return MLP()
 
@@ -61,9 +99,25 @@ def _data(seed: int, n: int, features: int, out: int):
   return x, y
 
 
+def _nbytes(tree) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                 if hasattr(x, "dtype")))
+
+
+def _progress(out: TextIO | None, label: str, i: int, n: int) -> None:
+  if out is None:
+    return
+  width = 30
+  done = width * i // max(n, 1)
+  out.write(f"\r{label:10s} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
+  if i == n:
+    out.write("\n")
+  out.flush()
+
+
 def train(name: str, policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale,
-          *, steps: int, width: int, depth: int, batch: int,
-          seed: int = 0) -> Row:
+          *, steps: int, width: int, depth: int, batch: int, seed: int = 0,
+          master: bool = False, progress: TextIO | None = None) -> Row:
   """Trains the demo MLP with one policy and returns its table row.
 
   Args:
@@ -75,6 +129,8 @@ def train(name: str, policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale,
     depth: hidden layers.
     batch: batch size.
     seed: data and init seed.
+    master: keep float32 master weights for half-precision params.
+    progress: a stream for the progress bar (``None``: no bar).
 
   Returns:
     A :class:`Row`.
@@ -88,23 +144,28 @@ def train(name: str, policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale,
     >>> row.skipped
     0
   """
+  from jmp_lite import linen as jl
+
   features, out = 32, 8
   x, y = _data(seed, batch * 8, features, out)
-  model = _make_model(policy, width, depth, out)
-  params = model.init(jax.random.key(seed), jnp.zeros((1, features)))
-  opt = jmp_lite.loss_scaled(optax.adam(1e-3), loss_scale)
+  model = jl.mixed_precision(_make_model(width, depth, out), policy)
+  params = model.init(jax.random.key(seed), jnp.zeros((1, features)))["params"]
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3), loss_scale,
+                             allow_half_state=not master)
+  if master:
+    opt = jmp_lite.master_weights(opt)
   opt_state = opt.init(params)
+
+  def loss_fn(p, xb, yb):
+    pred = model.apply({"params": p}, xb)
+    return jnp.mean((pred.astype(jnp.float32) - yb) ** 2)
 
   @jax.jit
   def step(params, opt_state, xb, yb):
     scale = jmp_lite.current_loss_scale(opt_state)
-
-    def loss_fn(p):
-      pred = model.apply(p, xb)
-      loss = jnp.mean((pred.astype(jnp.float32) - yb) ** 2)
-      return scale.scale(loss), loss
-
-    grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+    grads, loss = jax.grad(
+        lambda p: (scale.scale(loss_fn(p, xb, yb)), loss_fn(p, xb, yb)),
+        has_aux=True)(params)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -114,19 +175,30 @@ def train(name: str, policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale,
     j = i % n_batches
     return x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch]
 
+  _, vjp_fn = jax.vjp(lambda p: loss_fn(p, *batch_at(0)), params)
+  activation_bytes = _nbytes(vjp_fn) - _nbytes(params)
+
   params, opt_state, loss = step(params, opt_state, *batch_at(0))  # Compile.
   jax.block_until_ready(loss)
+  every = max(steps // 20, 1)
   start = time.perf_counter()
   for i in range(steps):
     params, opt_state, loss = step(params, opt_state, *batch_at(i + 1))
-  loss = float(loss)  # The one host sync, after the timed loop has queued.
+    if (i + 1) % every == 0 or i + 1 == steps:
+      _progress(progress, name, i + 1, steps)
+  loss = float(loss)  # The host sync, after the timed loop has been queued.
   elapsed = time.perf_counter() - start
-  param_bytes = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(params))
+  scale_state = jmp_lite.current_loss_scale(opt_state)
+  skipped = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, jmp_lite.LossScaledState))
+      if isinstance(s, jmp_lite.LossScaledState)][0].total_skips
   return Row(
       name=name, policy=str(policy), loss_scale=type(loss_scale).__name__,
       ms_per_step=1000 * elapsed / max(steps, 1), final_loss=loss,
-      param_bytes=int(param_bytes), skipped=int(opt_state.total_skips),
-      final_scale=float(opt_state.loss_scale.loss_scale))
+      param_bytes=_nbytes(params), skipped=int(skipped),
+      final_scale=float(scale_state.loss_scale),
+      state_bytes=_nbytes(opt_state),
+      activation_bytes=max(int(activation_bytes), 0))
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -142,29 +214,23 @@ def format_table(rows: Sequence[Row]) -> str:
     >>> from jmp_lite.demo import Row, format_table
     >>> print(format_table([Row("f32", "p=f32,c=f32,o=f32", "NoOpLossScale",
     ...                         2.0, 0.5, 1024, 0, 1.0)]).splitlines()[0])
-    run  policy             loss scale     ms/step  vs f32  final loss  param bytes  skipped  final scale
+    run  policy             loss scale     ms/step  speed-up  final loss  skipped  final scale  param bytes  optimizer bytes  activation bytes
   """
-  header = ("run", "policy", "loss scale", "ms/step", "vs " + rows[0].name,
-            "final loss", "param bytes", "skipped", "final scale")
+  header = ("run", "policy", "loss scale", "ms/step", "speed-up", "final loss",
+            "skipped", "final scale", "param bytes", "optimizer bytes",
+            "activation bytes")
   base = rows[0].ms_per_step
   body = [(r.name, r.policy, r.loss_scale, f"{r.ms_per_step:.2f}",
            f"{base / r.ms_per_step:.2f}x" if r.ms_per_step else "-",
-           f"{r.final_loss:.5f}", f"{r.param_bytes:,}", str(r.skipped),
-           f"{r.final_scale:g}") for r in rows]
+           f"{r.final_loss:.5f}", str(r.skipped), f"{r.final_scale:g}",
+           f"{r.param_bytes:,}", f"{r.state_bytes:,}",
+           f"{r.activation_bytes:,}") for r in rows]
   widths = [max(len(h), *(len(b[i]) for b in body))
             for i, h in enumerate(header)]
   lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
   lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip()
             for b in body]
   return "\n".join(lines)
-
-
-RUNS = {
-    "f32": ("p=f32,c=f32,o=f32", lambda: jmp_lite.NoOpLossScale()),
-    "bf16": ("p=f32,c=bf16,o=f32", lambda: jmp_lite.NoOpLossScale()),
-    "f16": ("p=f32,c=f16,o=f32",
-            lambda: jmp_lite.DynamicLossScale(2.0**15, period=100)),
-}
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
@@ -176,16 +242,22 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
   Returns:
     The table's rows.
   """
+  on_gpu = jax.devices()[0].platform == "gpu"
+  runs_help = "; ".join(f"{k}: {v.description}" for k, v in RUNS.items())
   parser = argparse.ArgumentParser(
       prog="python -m jmp_lite",
-      description="Train one Flax MLP in float32, bfloat16 and float16 "
-      "(dynamic loss scaling) and compare speed, loss and memory.")
+      description="Train one Flax MLP in several precisions (float32,"
+      " bfloat16, float16 with dynamic loss scaling, ...) and compare speed,"
+      " loss and memory on the default backend.")
   parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--width", type=int, default=256)
+  parser.add_argument("--width", type=int, default=4096 if on_gpu else 256,
+                      help="hidden width (default: the seeds' 4096 on a GPU)")
   parser.add_argument("--depth", type=int, default=2)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--runs", nargs="+", choices=list(RUNS),
-                      default=list(RUNS))
+  parser.add_argument("--batch", type=int, default=512 if on_gpu else 128)
+  parser.add_argument("--runs", "--policies", nargs="+", choices=list(RUNS),
+                      default=list(DEFAULT_RUNS), help=runs_help)
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar")
   args = parser.parse_args(argv)
   for name, value in (("steps", args.steps), ("width", args.width),
                       ("depth", args.depth), ("batch", args.batch)):
@@ -195,13 +267,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
   print(f"jmp_lite {jmp_lite.__version__} demo on {device.platform}"
         f" ({device.device_kind}); MLP width {args.width}, depth {args.depth},"
         f" batch {args.batch}, {args.steps} Adam steps per run\n")
+  progress = None if args.no_progress else sys.stderr
   rows = []
   for name in args.runs:
-    policy, make_scale = RUNS[name]
-    rows.append(train(name, jmp_lite.get_policy(policy), make_scale(),
+    run = RUNS[name]
+    rows.append(train(name, jmp_lite.get_policy(run.policy), run.loss_scale(),
                       steps=args.steps, width=args.width, depth=args.depth,
-                      batch=args.batch))
+                      batch=args.batch, master=run.master, progress=progress))
   print(format_table(rows))
   return rows
-
-

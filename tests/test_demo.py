@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jmp_lite import demo
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_trains_all_three_precisions(capsys):
-  rows = demo.main(["--steps", "30", "--width", "32", "--batch", "16"])
+  rows = demo.main(["--steps", "30", "--width", "32", "--batch", "16",
+                    "--no-progress"])
   assert [r.name for r in rows] == ["f32", "bf16", "f16"]
   assert [r.policy for r in rows] == ["p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32",
                                       "p=f32,c=f16,o=f32"]
@@ -26,6 +28,25 @@ def test_demo_trains_all_three_precisions(capsys):
   assert len({r.param_bytes for r in rows}) == 1
   out = capsys.readouterr().out
   assert "final loss" in out and "p=f32,c=f16,o=f32" in out
+
+
+def test_demo_all_runs_with_progress_bar(capsys):
+  rows = demo.main(["--steps", "40", "--width", "16", "--batch", "8",
+                    "--runs", *demo.RUNS])
+  by = {r.name: r for r in rows}
+  err = capsys.readouterr().err
+  assert "[" + "#" * 30 + "] 40/40" in err
+  # Half params store half the bytes; master weights add a float32 copy.
+  assert by["o2-bf16"].param_bytes * 2 == by["f32"].param_bytes
+  assert by["o2-bf16"].state_bytes > by["f32"].state_bytes
+  assert by["bf16"].activation_bytes < by["f32"].activation_bytes
+  for name in ("f32", "bf16", "f16", "o2-bf16", "o2-f16"):
+    assert np.isfinite(by[name].final_loss) and by[name].final_loss < 1.5
+  # Pure float16 without master weights or loss scaling visibly goes wrong:
+  # Adam's eps rounds to 0 in float16 and steps are lost or the loss blows up.
+  bad = by["pure-f16"]
+  assert bad.skipped > 0 or not np.isfinite(bad.final_loss) or (
+      bad.final_loss > 2 * by["f32"].final_loss)
 
 
 def test_demo_rejects_bad_options():
