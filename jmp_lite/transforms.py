@@ -57,7 +57,8 @@ class LossScaledState:
     loss_scale: the loss-scale state to scale the *next* loss with.
     total_skips: skipped steps since ``init`` (int32).
     consecutive_skips: skipped steps since the last applied one (int32).
-    last_finite: whether the last step's gradients were finite (bool).
+    last_finite: whether the last step was applied: its gradients (and, with
+      ``check_updates``, its updates) were finite (bool).
     name: a label that tells several loss-scaled optimizers apart (static).
     nonfinite: with ``track_nonfinite=True``, the last step's per-leaf counts
       of non-finite gradient elements (see ``jmp_lite.nonfinite_paths``);
@@ -260,6 +261,7 @@ def loss_scaled(
     name: str | None = None,
     allow_half_state: bool = False,
     track_nonfinite: bool = False,
+    check_updates: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
 
@@ -286,6 +288,11 @@ def loss_scaled(
       :func:`master_weights` around this transformation.
     track_nonfinite: keep per-leaf counts of non-finite gradient elements in
       ``state.nonfinite`` (costs one more read of the gradients).
+    check_updates: also skip a step whose *updates* are non-finite although
+      its gradients were finite: an optimizer running in half precision can
+      overflow on its own (Adam's ``eps=1e-8`` is 0 in float16). Costs one
+      read of the updates. ``None`` (default) turns it on exactly when
+      ``allow_half_state`` is true.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -322,6 +329,8 @@ def loss_scaled(
     raise TypeError(f"name must be a str or None, got {name!r}")
   initial_scale = loss_scale
   check_unscaled = _may_amplify(loss_scale)
+  if check_updates is None:
+    check_updates = allow_half_state
 
   def tracked(grads: Any) -> Any:
     if not track_nonfinite:
@@ -363,8 +372,15 @@ def loss_scaled(
     if check_unscaled:
       finite = finite & all_finite(grads)
     finite = _reduce_finite(finite, axis_name)
-    new_updates, new_inner = _guarded_update(
-        inner, grads, state.inner_state, params, finite, extra)
+    if check_updates:
+      raw_updates, raw_inner = inner.update(grads, state.inner_state, params,
+                                            **extra)
+      finite = finite & _reduce_finite(all_finite(raw_updates), axis_name)
+      new_updates = _zeros_where_not(finite, raw_updates)
+      new_inner = select_tree(finite, raw_inner, state.inner_state)
+    else:
+      new_updates, new_inner = _guarded_update(
+          inner, grads, state.inner_state, params, finite, extra)
     counts = _count(finite, state.total_skips, state.consecutive_skips)
     return new_updates, LossScaledState(
         inner_state=new_inner,

@@ -12,8 +12,16 @@ def test_readme_python_snippets_run():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
   assert len(blocks) >= 5
   namespace: dict = {}
-  for i, block in enumerate(blocks):
-    exec(compile(block, f"README.md[python block {i}]", "exec"), namespace)
+  import warnings
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for i, block in enumerate(blocks):
+      exec(compile(block, f"README.md[python block {i}]", "exec"), namespace)
+  # The diagnostics snippet demonstrates check_hardware's warning on CPU.
+  import jmp_lite
+  assert any(issubclass(w.category, jmp_lite.PrecisionWarning) for w in caught)
+  assert not [w for w in caught
+              if not issubclass(w.category, jmp_lite.PrecisionWarning)]
   # The snippets left a bfloat16 model trained with master weights and a
   # Flax model under the O2 preset.
   assert namespace["half_params"]["w"].dtype == namespace["jnp"].bfloat16

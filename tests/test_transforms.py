@@ -259,3 +259,20 @@ def test_manual_path_composes_to_the_same_result_as_loss_scaled():
                               rtol=1e-6)
   chex.assert_trees_all_equal(s_auto.loss_scale, scale)
   assert int(s_auto.total_skips) == int(s_manual.total_skips) > 0
+
+
+def test_check_updates_skips_optimizer_made_overflow():
+  """Pure float16 Adam: finite gradients, but eps=1e-8 is 0 in float16."""
+  params = {"w": jnp.ones((4,), jnp.float16)}
+  grads = {"w": jnp.array([1e-3, 0.0, 0.0, 0.0], jnp.float16)}
+  unchecked = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
+                                   allow_half_state=True, check_updates=False)
+  updates, _ = unchecked.update(grads, unchecked.init(params), params)
+  assert not bool(jmp_lite.all_finite(updates))  # 0 / (0 + 0) = NaN
+  checked = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
+                                 allow_half_state=True)  # on by default here
+  state = checked.init(params)
+  updates, new_state = jax.jit(checked.update)(grads, state, params)
+  chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.total_skips) == 1 and not bool(new_state.last_finite)

@@ -1,0 +1,302 @@
+"""Writes the notebooks from the cells below and executes them in place.
+
+Run from the repository root: ``python notebooks/build.py``. The executed
+notebooks (with outputs, small figures) are what the repository ships; the
+test suite re-executes them (tests/test_notebooks.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = """\
+import warnings
+import jax, jax.numpy as jnp, numpy as np, optax
+import matplotlib.pyplot as plt
+plt.rcParams.update({"figure.dpi": 60, "figure.figsize": (6, 3)})
+import jmp_lite
+from jmp_lite import examples
+print("jax", jax.__version__, "on", jax.devices()[0].platform)"""
+
+NOTEBOOKS = {
+    "01_quickstart": [
+        ("md", """\
+# Quickstart: one model in float32, bfloat16 and float16
+
+A Flax MLP on scikit-learn's bundled **digits** (no download), trained three
+ways with a precision policy and `jmp_lite.loss_scaled`:
+
+* float32;
+* bfloat16 compute (float32 params);
+* float16 compute with dynamic loss scaling.
+
+The training code is in `jmp_lite/examples.py`; its heart is the usual
+three-line change:
+
+```python
+opt = jmp_lite.loss_scaled(optax.adam(lr), jmp_lite.DynamicLossScale(2.0 ** 15))
+scale = jmp_lite.current_loss_scale(opt_state)       # in the step
+grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
+```"""),
+        ("code", SETUP),
+        ("code", """\
+runs = {
+    "float32": examples.train_digits("f32", steps=300),
+    "bfloat16": examples.train_digits("p=f32,c=bf16,o=f32", steps=300),
+    "float16 + dynamic scale": examples.train_digits(
+        "p=f32,c=f16,o=f32", jmp_lite.DynamicLossScale(2.0 ** 15, period=50),
+        steps=300),
+}
+print(f"{'run':24} {'eval loss':>9} {'accuracy':>8} {'skipped':>7}")
+for name, r in runs.items():
+  print(f"{name:24} {r.eval_loss:9.4f} {r.accuracy:8.3f} {r.skipped:7d}")"""),
+        ("code", """\
+fig, (a, b) = plt.subplots(1, 2)
+for name, r in runs.items():
+  a.plot(np.convolve(r.losses, np.ones(10) / 10, "valid"), label=name)
+a.set_yscale("log"); a.set_title("training loss"); a.legend(fontsize=7)
+b.plot(runs["float16 + dynamic scale"].scales)
+b.set_yscale("log", base=2); b.set_title("float16 loss scale")
+fig.tight_layout()"""),
+        ("md", """\
+All three reach the same accuracy. The float16 run's scale grows by 2 every
+50 finite steps (`period=50`) and would back off on an overflow; bfloat16
+needs no scaling (float32's exponent range)."""),
+    ],
+    "02_comparison": [
+        ("md", """\
+# O0 / O1 / O2 / O3 and float16 + dynamic scaling, side by side
+
+The seeds' comparison (Paddle's FP32 / O1 / O2 table, Colossal-AI's
+throughput and memory) on the digits MLP: time per step, final loss, and
+memory: params + optimizer state, and the activations kept for the backward
+pass. On the CPU half precision is emulated, so the *times* favour float32
+here; on a GPU or TPU they reverse. The *bytes* are what they would be
+anywhere."""),
+        ("code", SETUP),
+        ("code", """\
+configs = {
+    "O0 float32": ("f32", None, False),
+    "O1 bf16 compute": ("p=f32,c=bf16,o=f32", None, False),
+    "O2 bf16 + master": ("p=bf16,c=bf16,o=f32", None, True),
+    "O3 pure bf16": ("bf16", None, False),
+    "fp16 + dynamic": ("p=f32,c=f16,o=f32", jmp_lite.DynamicLossScale(2.0 ** 15), False),
+}
+rows = {name: examples.train_digits(p, s, master=m, steps=300)
+        for name, (p, s, m) in configs.items()}
+print(f"{'run':18} {'ms/step':>7} {'eval loss':>9} {'acc':>6} {'params+opt':>10} {'activations':>11}")
+for name, r in rows.items():
+  print(f"{name:18} {r.ms_per_step:7.2f} {r.eval_loss:9.4f} {r.accuracy:6.3f}"
+        f" {r.param_bytes + r.state_bytes:10,d} {r.activation_bytes:11,d}")"""),
+        ("code", """\
+names = list(rows)
+fig, axes = plt.subplots(1, 3, figsize=(9, 3))
+for ax, (title, values) in zip(axes, [
+    ("ms / step", [rows[n].ms_per_step for n in names]),
+    ("params + optimizer bytes", [rows[n].param_bytes + rows[n].state_bytes for n in names]),
+    ("activation bytes", [rows[n].activation_bytes for n in names])]):
+  ax.bar(range(len(names)), values)
+  ax.set_xticks(range(len(names)), [n.split()[0] for n in names], fontsize=7)
+  ax.set_title(title, fontsize=8)
+fig.tight_layout()"""),
+        ("md", """\
+O2 stores bfloat16 params plus a float32 master copy in the optimizer, so its
+params + optimizer bytes are higher than O0's. Its activations are half O0's.
+O3 halves everything but keeps its Adam moments in bfloat16."""),
+    ],
+    "03_migration": [
+        ("md", """\
+# Migrating from jmp, Flax `DynamicScale`, and PyTorch autocast + GradScaler"""),
+        ("code", SETUP),
+        ("md", """\
+## From DeepMind's `jmp`
+
+Code written for `jmp` runs unchanged with `import jmp_lite as jmp`. The
+states now survive every pytree round trip and `jit(...).lower`; the one
+behavioural difference is a default cap of 2**24 on the scale."""),
+        ("code", """\
+import jmp_lite as jmp          # was: import jmp
+
+policy = jmp.get_policy("params=float32,compute=float16,output=float32")
+loss_scale = jmp.DynamicLossScale(jnp.asarray(2.0 ** 15), period=2)
+params = {"w": jnp.ones((3, 2))}
+x = jnp.ones((4, 3))
+
+def loss_fn(params, loss_scale):
+  out = policy.cast_to_output(policy.cast_to_compute(x) @ policy.cast_to_compute(params["w"]))
+  return loss_scale.scale(jnp.mean(out ** 2))
+
+for _ in range(3):
+  grads = loss_scale.unscale(jax.grad(loss_fn)(params, loss_scale))
+  finite = jmp.all_finite(grads)
+  params = jmp.select_tree(finite, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), params)
+  loss_scale = loss_scale.adjust(finite)
+print(loss_scale.loss_scale, loss_scale.min_loss_scale)"""),
+        ("md", """\
+## From Flax `DynamicScale`
+
+| Flax | jmp_lite |
+| --- | --- |
+| `dyn = DynamicScale()` in the train state | `opt = jmp_lite.loss_scaled(optax.adam(lr), jmp_lite.DynamicLossScale(2.0**16))` |
+| `dyn, is_fin, loss, grads = dyn.value_and_grad(loss_fn)(params)` | `scale = jmp_lite.current_loss_scale(opt_state)`; `grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)` |
+| `jnp.where(is_fin, new, old)` over params *and* opt state | done inside `opt.update`: skipped steps leave both bit-for-bit unchanged |
+
+jmp_lite grows the scale on the `period`-th finite step (Flax grows one step
+later) and accepts integer leaves."""),
+        ("code", """\
+opt = jmp_lite.loss_scaled(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0 ** 16))
+params = {"w": jnp.ones((3, 2)), "steps": jnp.array(0)}
+opt_state = opt.init({"w": params["w"]})
+
+@jax.jit
+def train_step(params, opt_state):
+  scale = jmp_lite.current_loss_scale(opt_state)
+  grads = jax.grad(lambda w: scale.scale(jnp.mean((x @ w) ** 2)))(params["w"])
+  updates, opt_state = opt.update({"w": grads}, opt_state, {"w": params["w"]})
+  new = optax.apply_updates({"w": params["w"]}, updates)
+  return {"w": new["w"], "steps": params["steps"] + 1}, opt_state
+
+params, opt_state = train_step(params, opt_state)
+print(params["steps"], opt_state.total_skips)"""),
+        ("md", """\
+## From PyTorch `autocast` + `GradScaler`
+
+```python
+# PyTorch
+scaler = torch.cuda.amp.GradScaler()
+with torch.autocast("cuda", dtype=torch.float16):
+    loss = loss_fn(model(x), y)
+scaler.scale(loss).backward()
+scaler.unscale_(optimizer)
+torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+scaler.step(optimizer)
+scaler.update()
+```
+
+In JAX the autocast is a function transformation, and the scaler is part of
+the optimizer. `clip_by_global_norm` goes *inside* `loss_scaled`, which is
+PyTorch's `unscale_` before clipping."""),
+        ("code", """\
+def loss_fn(w, x):
+  return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+fast_loss = jmp_lite.autocast(loss_fn, jnp.float16)       # with torch.autocast(...)
+opt = jmp_lite.loss_scaled(                                 # GradScaler
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    jmp_lite.DynamicLossScale(2.0 ** 16))
+w = jnp.ones((3, 2)) * 0.5
+opt_state = opt.init(w)
+
+@jax.jit
+def step(w, opt_state):
+  scale = jmp_lite.current_loss_scale(opt_state)
+  grads = jax.grad(lambda w: scale.scale(fast_loss(w, x)))(w)
+  updates, opt_state = opt.update(grads, opt_state, w)
+  return optax.apply_updates(w, updates), opt_state
+
+for _ in range(3):
+  w, opt_state = step(w, opt_state)
+print(jmp_lite.autocast_audit(loss_fn, jnp.float16, w, x))"""),
+    ],
+    "04_debugging": [
+        ("md", """\
+# Debugging a diverging float16 run
+
+A float16 run with no loss scaling and no master weights goes wrong. These
+cells find out why: which step, which parameters, which operation, and what a
+loss scale would have changed."""),
+        ("code", SETUP),
+        ("code", """\
+bad = examples.train_digits("f16", jmp_lite.NoOpLossScale(), steps=100)
+good = examples.train_digits("p=f32,c=f16,o=f32", steps=100)
+print("pure float16: eval loss", bad.eval_loss, "skipped", bad.skipped, "of 100")
+print("float16 compute + master params + dynamic scale: eval loss",
+      round(good.eval_loss, 4), "skipped", good.skipped)
+plt.plot(good.losses, label="mixed + dynamic scale")
+plt.plot(bad.losses, label="pure float16")
+plt.yscale("log"); plt.legend(); plt.title("training loss")"""),
+        ("md", """\
+`loss_scaled(..., track_nonfinite=True)` records, per parameter path, how
+many gradient elements were non-finite in the last step. The step never
+syncs with the host; reading the counts afterwards does."""),
+        ("code", """\
+import flax.linen as nn
+from jmp_lite import linen as jl
+
+x_tr, y_tr, _, _ = examples.load_digits_split()
+x, y = jnp.asarray(x_tr[:128]), jnp.asarray(y_tr[:128])
+model = jl.mixed_precision(nn.Sequential([nn.Dense(128), nn.relu, nn.Dense(10)]), "f16")
+params = model.init(jax.random.key(0), x)["params"]
+opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
+                           allow_half_state=True, track_nonfinite=True)
+state = opt.init(params)
+loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+    model.apply({"params": p}, x).astype(jnp.float32), y).mean()
+grads = jax.grad(loss_fn)(params)
+updates, state = opt.update(grads, state, params)
+params = optax.apply_updates(params, updates)
+print("step applied:", bool(state.last_finite), "| skipped so far:", int(state.total_skips),
+      "| non-finite gradient elements per path:", jmp_lite.nonfinite_paths(state.nonfinite))
+origin = jmp_lite.find_nonfinite(lambda p: opt.update(jax.grad(loss_fn)(p), state, p)[0], params)
+print(origin)"""),
+        ("md", """\
+No gradient element is non-finite, yet the step was skipped. With a
+half-precision optimizer state `loss_scaled` also checks the *updates*
+(`check_updates`), and those overflowed. `find_nonfinite` shows why: Adam's
+`eps=1e-8` rounds to 0 in float16, so its division produces inf/NaN. Float32
+master weights (or `eps=1e-4`) fix it, and without the check the NaNs would
+have gone into the params.
+
+Loss scaling fights the opposite problem: small gradients underflowing to
+zero in float16. `gradient_health` shows how much underflows at a given
+scale, and how many doublings the scale has left before the largest gradient
+overflows."""),
+        ("code", """\
+f32_grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+    jl.mixed_precision(nn.Sequential([nn.Dense(128), nn.relu, nn.Dense(10)]), "f32")
+    .apply({"params": p}, x), y).mean())(jmp_lite.cast_to_full(params))
+# Deep nets and summed-over-many-terms losses give far smaller gradients;
+# scale these by 1e-5 to see what float16 does to them at each loss scale.
+tiny = jax.tree.map(lambda g: g * 1e-5, f32_grads)
+for s in (1.0, 2.0 ** 8, 2.0 ** 15):
+  h = jmp_lite.gradient_health(tiny, s, jnp.float16)
+  under = {jax.tree_util.keystr(p): round(float(v), 4)
+           for p, v in jax.tree_util.tree_flatten_with_path(h.underflow)[0]}
+  print(f"scale 2**{int(np.log2(s)):2d}: headroom {float(h.headroom_bits):5.1f} bits; underflow {under}")"""),
+        ("md", """\
+Two last checks: matmul shapes that tensor cores dislike, and a dtype the
+device runs slowly."""),
+        ("code", """\
+# A layer of 60 inputs and 10 outputs, as a user might write it:
+for m in jmp_lite.check_alignment(lambda x, w: x @ w, jnp.ones((128, 60)), jnp.ones((60, 10))):
+  print(m.primitive, m.dims, "->", m.hint)
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  print(jmp_lite.check_hardware("f16"))"""),
+    ],
+}
+
+
+def build(names=None) -> None:
+  for name, cells in NOTEBOOKS.items():
+    if names and name not in names:
+      continue
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md"
+                else nbformat.v4.new_code_cell(src) for kind, src in cells]
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(HERE.parent)}}).execute()
+    nbformat.write(nb, HERE / f"{name}.ipynb")
+    print("wrote", name)
+
+
+if __name__ == "__main__":
+  build(sys.argv[1:])
