@@ -5,21 +5,23 @@ written for ``jmp`` 0.0.4.
 """
 
 from jmp_lite import dtypes as dtypes
-from jmp_lite.diagnostics import PrecisionWarning as PrecisionWarning
+from jmp_lite import master as master
+from jmp_lite import path_rules as path_rules
+from jmp_lite import struct as struct
+from jmp_lite._version import __version__ as __version__
+from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
+from jmp_lite.accumulation import AccumulateState as AccumulateState
+from jmp_lite.autocasting import autocast as autocast
+from jmp_lite.autocasting import autocast_audit as autocast_audit
+from jmp_lite.autocasting import float32_region as float32_region
+from jmp_lite.autocasting import half_region as half_region
 from jmp_lite.diagnostics import check_alignment as check_alignment
 from jmp_lite.diagnostics import check_hardware as check_hardware
 from jmp_lite.diagnostics import find_nonfinite as find_nonfinite
 from jmp_lite.diagnostics import gradient_health as gradient_health
 from jmp_lite.diagnostics import nonfinite_counts as nonfinite_counts
 from jmp_lite.diagnostics import nonfinite_paths as nonfinite_paths
-from jmp_lite.autocasting import autocast as autocast
-from jmp_lite.autocasting import autocast_audit as autocast_audit
-from jmp_lite.autocasting import float32_region as float32_region
-from jmp_lite.autocasting import half_region as half_region
-from jmp_lite.accumulation import AccumulateState as AccumulateState
-from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
-from jmp_lite import struct as struct
-from jmp_lite._version import __version__ as __version__
+from jmp_lite.diagnostics import PrecisionWarning as PrecisionWarning
 from jmp_lite.dtypes import half_dtype as half_dtype
 from jmp_lite.finite import all_finite as all_finite
 from jmp_lite.finite import select_tree as select_tree
@@ -27,24 +29,22 @@ from jmp_lite.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
-from jmp_lite import master as master
-from jmp_lite import path_rules as path_rules
-from jmp_lite.path_rules import cast_by_path as cast_by_path
-from jmp_lite.master import MasterWeightsState as MasterWeightsState
 from jmp_lite.master import master_params as master_params
 from jmp_lite.master import master_weights as master_weights
-from jmp_lite.policy import Policy as Policy
+from jmp_lite.master import MasterWeightsState as MasterWeightsState
+from jmp_lite.path_rules import cast_by_path as cast_by_path
 from jmp_lite.policy import cast_to_full as cast_to_full
 from jmp_lite.policy import cast_to_half as cast_to_half
 from jmp_lite.policy import get_policy as get_policy
-from jmp_lite.transforms import LossScaledState as LossScaledState
-from jmp_lite.transforms import NonFiniteHaltError as NonFiniteHaltError
-from jmp_lite.transforms import SkipNonfiniteState as SkipNonfiniteState
+from jmp_lite.policy import Policy as Policy
 from jmp_lite.transforms import current_loss_scale as current_loss_scale
 from jmp_lite.transforms import default_loss_scale as default_loss_scale
 from jmp_lite.transforms import loss_scaled as loss_scaled
+from jmp_lite.transforms import LossScaledState as LossScaledState
+from jmp_lite.transforms import NonFiniteHaltError as NonFiniteHaltError
 from jmp_lite.transforms import raise_if_halted as raise_if_halted
 from jmp_lite.transforms import skip_nonfinite as skip_nonfinite
+from jmp_lite.transforms import SkipNonfiniteState as SkipNonfiniteState
 
 __all__ = (
     "AccumulateState",
@@ -52,10 +52,10 @@ __all__ = (
     "LossScale",
     "LossScaledState",
     "MasterWeightsState",
-    "NonFiniteHaltError",
-    "PrecisionWarning",
     "NoOpLossScale",
+    "NonFiniteHaltError",
     "Policy",
+    "PrecisionWarning",
     "SkipNonfiniteState",
     "StaticLossScale",
     "accumulate_gradients",
@@ -63,17 +63,17 @@ __all__ = (
     "autocast",
     "autocast_audit",
     "cast_by_path",
-    "check_alignment",
-    "check_hardware",
     "cast_to_full",
     "cast_to_half",
+    "check_alignment",
+    "check_hardware",
     "current_loss_scale",
     "default_loss_scale",
     "dtypes",
     "find_nonfinite",
     "float32_region",
-    "gradient_health",
     "get_policy",
+    "gradient_health",
     "half_dtype",
     "half_region",
     "loss_scaled",

@@ -88,6 +88,14 @@ def half_region() -> Any:
 
   Returns:
     A context manager.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> def f(x):
+    ...   with jmp_lite.half_region():
+    ...     return jnp.exp(x)  # exp is on the float32 list, but forced here
+    >>> [r.dtype for r in jmp_lite.autocast_audit(f, "bf16", jnp.ones(2)).records]
+    ['bfloat16']
   """
   return jax.named_scope(HALF_SCOPE)
 
