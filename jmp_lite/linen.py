@@ -416,6 +416,31 @@ def mixed_precision(
         f"mixed_precision expects a flax.linen.Module, got"
         f" {type(module).__name__}"
     )
+  policy, user, all_rules = policy_and_rules(policy, rules, float32_norms,
+                                             NORM_LAYERS)
+  return MixedPrecision(module=module, policy=policy, rules=all_rules,
+                        strict=strict, enabled=enabled, n_user_rules=len(user))
+
+
+def policy_and_rules(policy: Policy | str, rules: Sequence[Any],
+                     float32_norms: bool, norm_layers: tuple[type, ...]
+                     ) -> tuple[Policy, tuple[Rule, ...], tuple[Rule, ...]]:
+  """Validates a policy and rules; appends the float32 norm island if asked.
+
+  Shared by the linen and nnx adapters.
+
+  Args:
+    policy: a :class:`~jmp_lite.Policy` or policy string.
+    rules: ``(matcher, policy)`` pairs or :class:`Rule` objects.
+    float32_norms: whether to append the island rule for ``norm_layers``.
+    norm_layers: the normalisation classes of the framework.
+
+  Returns:
+    ``(policy, user_rules, all_rules)``.
+
+  Raises:
+    TypeError: for a policy that is not a policy, or a malformed rule.
+  """
   if isinstance(policy, str):
     policy = get_policy(policy)
   if not isinstance(policy, Policy):
@@ -424,9 +449,8 @@ def mixed_precision(
   all_rules = user
   if float32_norms:
     island = Policy(jnp.float32, jnp.float32, policy.compute_dtype)
-    all_rules = user + (Rule(NORM_LAYERS, island),)
-  return MixedPrecision(module=module, policy=policy, rules=all_rules,
-                        strict=strict, enabled=enabled, n_user_rules=len(user))
+    all_rules = user + (Rule(norm_layers, island),)
+  return policy, user, all_rules
 
 
 def dot_product_attention_fp32(query: jax.Array, key: jax.Array,

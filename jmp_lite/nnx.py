@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.linen import FLOAT32, Rule, _to_rules
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite.linen import FLOAT32, Rule, policy_and_rules
+from jmp_lite.policy import Policy
 
 NORM_LAYERS: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.RMSNorm,
                                  nnx.GroupNorm)
@@ -127,15 +127,8 @@ def mixed_precision(
     raise TypeError(
         f"mixed_precision expects a flax.nnx.Module, got {type(model).__name__}"
     )
-  if isinstance(policy, str):
-    policy = get_policy(policy)
-  if not isinstance(policy, Policy):
-    raise TypeError(f"policy must be a Policy or policy string, got {policy!r}")
-  user = _to_rules(rules)
-  all_rules = user
-  if float32_norms:
-    all_rules += (Rule(NORM_LAYERS, Policy(jnp.float32, jnp.float32,
-                                           policy.compute_dtype)),)
+  policy, user, all_rules = policy_and_rules(policy, rules, float32_norms,
+                                             NORM_LAYERS)
   if not enabled:
     policy, all_rules = FLOAT32, ()
 
