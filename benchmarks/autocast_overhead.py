@@ -13,8 +13,6 @@ Run: ``python benchmarks/autocast_overhead.py`` (``--help`` for sizes).
 
 from __future__ import annotations
 
-import argparse
-import re
 import statistics
 import time
 from typing import Any
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_lite
+from _common import bytes_accessed, count_converts, interleaved_seconds, size_parser
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -50,16 +49,6 @@ def loss_by_hand(params, x, labels):
   return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
-def _converts(hlo: str) -> int:
-  return len(re.findall(r"= \S+ convert\(", hlo))
-
-
-def _bytes(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost["bytes accessed"])
-
-
 def _lower_seconds(fn, args, repeats: int) -> float:
   times = []
   for _ in range(repeats):
@@ -71,13 +60,8 @@ def _lower_seconds(fn, args, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--width", type=int, default=512)
-  parser.add_argument("--depth", type=int, default=4)
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--rounds", type=int, default=5)
-  args = parser.parse_args(argv)
+  args = size_parser(__doc__.splitlines()[0], width=512, depth=4,
+                     batch=256).parse_args(argv)
 
   rng = np.random.default_rng(0)
   params = [(jnp.asarray(rng.standard_normal((args.width, args.width))
@@ -93,16 +77,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   stats = {}
   for name, f in jitted.items():
     compiled = f.lower(*call).compile()
-    stats[name] = (_converts(compiled.as_text()), _bytes(compiled))
+    stats[name] = (count_converts(compiled.as_text()), bytes_accessed(compiled))
     jax.block_until_ready(f(*call))
-  times = {k: [] for k in jitted}
-  for _ in range(args.rounds):
-    for name, f in jitted.items():
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        out = f(*call)
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - start) / args.steps)
+  times = interleaved_seconds(
+      {k: (lambda _, f=f: f(*call)) for k, f in jitted.items()},
+      {k: None for k in jitted}, n_steps=args.steps, rounds=args.rounds)
 
   # Interleaved, median of 9: lowering times are noisy on a busy machine.
   lowers = {"plain": [], "auto": []}

@@ -14,10 +14,8 @@ Needs the bench extra (``pip install -e ".[bench]"``) for the ``jmp`` anchor.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
-import time
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -27,6 +25,7 @@ import numpy as np
 import optax
 
 import jmp_lite
+from _common import bytes_accessed, interleaved_seconds, size_parser
 
 
 class MLP(nn.Module):
@@ -208,23 +207,14 @@ def update_only_costs(params: Any) -> dict[str, float]:
   }
   out = {}
   for name, (f, init) in fns.items():
-    cost = jax.jit(f).lower(params, init(params), params).compile()
-    cost = cost.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    out[name] = float(cost["bytes accessed"])
+    out[name] = bytes_accessed(
+        jax.jit(f).lower(params, init(params), params).compile())
   return out
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--width", type=int, default=1024)
-  parser.add_argument("--depth", type=int, default=4)
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=10,
-                      help="steps per timed block")
-  parser.add_argument("--rounds", type=int, default=5,
-                      help="interleaved rounds of timed blocks")
-  args = parser.parse_args(argv)
+  args = size_parser(__doc__.splitlines()[0], width=1024, depth=4,
+                     batch=256).parse_args(argv)
 
   model = MLP(args.width, args.depth)
   rng = np.random.default_rng(0)
@@ -244,23 +234,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     jitted = jax.jit(counted, donate_argnums=0)
     state = init(jax.tree.map(jnp.copy, params))
-    cost = jitted.lower(state, x, y).compile().cost_analysis()
-    if isinstance(cost, list):  # Older JAX returned one dict per device.
-      cost = cost[0]
-    costs[name] = float(cost["bytes accessed"])
+    costs[name] = bytes_accessed(jitted.lower(state, x, y).compile())
     compiled[name] = jitted
     states[name] = jax.block_until_ready(jitted(state, x, y))  # Warm-up.
 
-  times: dict[str, list[float]] = {name: [] for name in variants}
-  for _ in range(args.rounds):
-    for name, jitted in compiled.items():
-      state = states[name]
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        state = jitted(state, x, y)
-      jax.block_until_ready(state)
-      times[name].append((time.perf_counter() - start) / args.steps)
-      states[name] = state
+  times = interleaved_seconds(
+      {k: (lambda s, f=f: f(s, x, y)) for k, f in compiled.items()}, states,
+      n_steps=args.steps, rounds=args.rounds)
 
   base_bytes = costs["plain"]
   base_time = statistics.median(times["plain"])

@@ -17,10 +17,7 @@ Run: ``python benchmarks/policy_overhead.py`` (``--help`` for sizes).
 
 from __future__ import annotations
 
-import argparse
-import re
 import statistics
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -28,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _common import bytes_accessed, count_converts, interleaved_seconds, size_parser
 from jmp_lite import linen as jl
 
 
@@ -75,16 +73,6 @@ def _loss_and_grad(apply):
   return jax.jit(f)
 
 
-def _converts(hlo: str) -> int:
-  return len(re.findall(r"= \S+ convert\(", hlo))
-
-
-def _cost(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost["bytes accessed"])
-
-
 def residual_bytes(apply, params, x) -> int:
   """Bytes the backward pass keeps from the forward (``jax.vjp`` residuals)."""
   _, vjp_fn = jax.vjp(lambda p: apply({"params": p}, x), params)
@@ -95,13 +83,8 @@ def residual_bytes(apply, params, x) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--width", type=int, default=512)
-  parser.add_argument("--depth", type=int, default=4)
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--rounds", type=int, default=5)
-  args = parser.parse_args(argv)
+  args = size_parser(__doc__.splitlines()[0], width=512, depth=4,
+                     batch=256).parse_args(argv)
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
@@ -119,18 +102,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   stats = {}
   for name, f in fns.items():
     compiled = f.lower(params, x, y).compile()
-    stats[name] = {"converts": _converts(compiled.as_text()),
-                   "bytes": _cost(compiled)}
+    stats[name] = {"converts": count_converts(compiled.as_text()),
+                   "bytes": bytes_accessed(compiled)}
     jax.block_until_ready(f(params, x, y))
 
-  times = {name: [] for name in fns}
-  for _ in range(args.rounds):
-    for name, f in fns.items():
-      start = time.perf_counter()
-      for _ in range(args.steps):
-        out = f(params, x, y)
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - start) / args.steps)
+  times = interleaved_seconds(
+      {k: (lambda _, f=f: f(params, x, y)) for k, f in fns.items()},
+      {k: None for k in fns}, n_steps=args.steps, rounds=args.rounds)
 
   f32 = jl.mixed_precision(PlainMLP(args.width, args.depth), "f32")
   res32 = residual_bytes(f32.apply, params, x)
