@@ -372,22 +372,25 @@ def loss_scaled(
     if check_unscaled:
       finite = finite & all_finite(grads)
     finite = _reduce_finite(finite, axis_name)
+    apply = finite
     if check_updates:
       raw_updates, raw_inner = inner.update(grads, state.inner_state, params,
                                             **extra)
-      finite = finite & _reduce_finite(all_finite(raw_updates), axis_name)
-      new_updates = _zeros_where_not(finite, raw_updates)
-      new_inner = select_tree(finite, raw_inner, state.inner_state)
+      apply = finite & _reduce_finite(all_finite(raw_updates), axis_name)
+      new_updates = _zeros_where_not(apply, raw_updates)
+      new_inner = select_tree(apply, raw_inner, state.inner_state)
     else:
       new_updates, new_inner = _guarded_update(
           inner, grads, state.inner_state, params, finite, extra)
-    counts = _count(finite, state.total_skips, state.consecutive_skips)
+    counts = _count(apply, state.total_skips, state.consecutive_skips)
     return new_updates, LossScaledState(
         inner_state=new_inner,
+        # The scale answers to the gradients only: an update that overflows
+        # inside the optimizer is not the loss scale's doing.
         loss_scale=scale.adjust(finite),
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
-        last_finite=finite,
+        last_finite=apply,
         name=state.name,
         nonfinite=tracked(grads),
     )

@@ -276,3 +276,9 @@ def test_check_updates_skips_optimizer_made_overflow():
   chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
   chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
   assert int(new_state.total_skips) == 1 and not bool(new_state.last_finite)
+  # The loss scale does not back off: the gradients were finite.
+  dyn = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.DynamicLossScale(8.0),
+                             allow_half_state=True)
+  _, dyn_state = dyn.update(grads, dyn.init(params), params)
+  assert int(dyn_state.total_skips) == 1
+  assert float(dyn_state.loss_scale.loss_scale) == 8.0
