@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f" {r['time_ratio']:13.2f} | {r['ms_per_step']:7.1f} |"
           f" {r['traces']:12d} |")
   update_costs = update_only_costs(params)
-  print(f"\nOptimizer update alone (gradients as inputs):\n")
+  print("\nOptimizer update alone (gradients as inputs):\n")
   print(f"| {'variant':24} | extra bytes / grad bytes |")
   print(f"|{'-' * 26}|--------------------------|")
   for name, value in update_costs.items():

@@ -40,6 +40,7 @@ from jmp_lite.policy import Policy as Policy
 from jmp_lite.transforms import current_loss_scale as current_loss_scale
 from jmp_lite.transforms import default_loss_scale as default_loss_scale
 from jmp_lite.transforms import loss_scaled as loss_scaled
+from jmp_lite.transforms import loss_scaled_state as loss_scaled_state
 from jmp_lite.transforms import LossScaledState as LossScaledState
 from jmp_lite.transforms import NonFiniteHaltError as NonFiniteHaltError
 from jmp_lite.transforms import raise_if_halted as raise_if_halted
@@ -77,6 +78,7 @@ __all__ = (
     "half_dtype",
     "half_region",
     "loss_scaled",
+    "loss_scaled_state",
     "master",
     "master_params",
     "master_weights",

@@ -19,7 +19,7 @@ import optax
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
-from jmp_lite.finite import all_finite, select_tree
+from jmp_lite.finite import all_finite, select_tree, skip_updates
 
 
 @struct.dataclass
@@ -127,9 +127,7 @@ def accumulate_gradients(
     mean_grads = jax.tree.map(mean, acc, grads)
     updates, new_inner = inner.update(mean_grads, state.inner_state, params,
                                       **extra)
-    updates = jax.tree.map(
-        lambda u: jnp.where(emit, u, jnp.asarray(-0.0, u.dtype))
-        if _dtypes.is_inexact_array(u) else u, updates)
+    updates = skip_updates(emit, updates)
     inner_state = select_tree(emit, new_inner, state.inner_state)
     acc = jax.tree.map(
         lambda a: jnp.where(emit, jnp.zeros((), a.dtype), a)

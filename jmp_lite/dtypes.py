@@ -188,6 +188,35 @@ def is_floating_array(x: Any) -> bool:
   return _is_floating(np.dtype(x.dtype))
 
 
+def cast_floating(tree: Any, dtype: Any) -> Any:
+  """Casts the floating array leaves of ``tree`` to ``dtype``.
+
+  Leaves already in ``dtype`` are returned as they are (no copy, and no
+  convert op in the jaxpr); numpy stays numpy, JAX stays JAX; every other
+  leaf passes through untouched.
+
+  Args:
+    tree: any pytree.
+    dtype: the target floating dtype.
+
+  Returns:
+    The cast tree.
+
+  Example:
+    >>> import numpy as np, jmp_lite
+    >>> jmp_lite.dtypes.cast_floating({"w": np.ones(2), "i": 3}, np.float16)
+    {'i': 3, 'w': array([1., 1.], dtype=float16)}
+  """
+  dtype = np.dtype(dtype)
+
+  def cast(x: Any) -> Any:
+    if is_floating_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree)
+
+
 def is_inexact_array(x: Any) -> bool:
   """True for array leaves of a floating or complex dtype (never ``float0``).
 

@@ -53,22 +53,65 @@ def all_finite(tree: Any) -> jax.Array:
   return jnp.isfinite(functools.reduce(jnp.add, partials))
 
 
-def _check_predicate(pred: Any) -> jax.Array:
-  if isinstance(pred, bool):
-    return jnp.asarray(pred)
-  dtype = getattr(pred, "dtype", None)
-  shape = getattr(pred, "shape", None)
-  if dtype is None or shape is None:
+def check_scalar_bool(x: Any, what: str) -> jax.Array:
+  """Returns ``x`` as a JAX bool scalar, or raises naming ``what``.
+
+  Checks only dtype and shape, so tracers pass.
+
+  Args:
+    x: a Python ``bool`` or a 0-d bool array.
+    what: the argument's name, for the message.
+
+  Returns:
+    ``jnp.asarray(x)``.
+
+  Raises:
+    TypeError: if ``x`` is not a bool (the message shows its type and dtype).
+    ValueError: if ``x`` is not a scalar.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.finite.check_scalar_bool(jnp.array(True), "pred").dtype
+    dtype('bool')
+  """
+  if isinstance(x, bool):
+    return jnp.asarray(x)
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or np.dtype(dtype) != np.bool_:
     raise TypeError(
-        f"Expected a scalar bool predicate, got {type(pred).__name__}: {pred!r}"
-    )
-  if np.dtype(dtype) != np.bool_:
-    raise TypeError(f"Expected a scalar bool predicate, got dtype {dtype}")
-  if tuple(shape) != ():
+        f"{what} must be a scalar bool (e.g. from jmp_lite.all_finite), got"
+        f" {type(x).__name__} with dtype {dtype}")
+  if tuple(x.shape) != ():
     raise ValueError(
-        f"Expected a scalar bool predicate, got shape {tuple(shape)}"
-    )
-  return jnp.asarray(pred)
+        f"{what} must be a scalar bool, got shape {tuple(x.shape)}")
+  return jnp.asarray(x)
+
+
+def skip_updates(apply: jax.Array, updates: T) -> T:
+  """``updates`` where ``apply`` is true, else ``-0.0`` in every inexact leaf.
+
+  ``-0.0``, not ``+0.0``: ``x + (-0.0) == x`` bit for bit for every ``x``,
+  ``-0.0`` included (``+0.0`` would turn it into ``+0.0``), so
+  ``optax.apply_updates`` leaves skipped params exactly as they were.
+
+  Args:
+    apply: a scalar bool.
+    updates: an updates pytree.
+
+  Returns:
+    The selected updates (non-inexact leaves untouched).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.finite.skip_updates(jnp.array(False), jnp.ones(2))
+    Array([-0., -0.], dtype=float32)
+  """
+  def pick(u: Any) -> Any:
+    if not _dtypes.is_inexact_array(u):
+      return u
+    return jnp.where(apply, u, jnp.asarray(-0.0, u.dtype))
+
+  return jax.tree.map(pick, updates)
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:
@@ -98,7 +141,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     >>> jmp_lite.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
     {'w': Array([0., 0.], dtype=float32)}
   """
-  pred = _check_predicate(pred)
+  pred = check_scalar_bool(pred, "select_tree's pred")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
   b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:

@@ -30,6 +30,7 @@ import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
+from jmp_lite.finite import check_scalar_bool
 
 T = TypeVar("T")
 
@@ -98,20 +99,7 @@ def _check_static_real(value: Any, what: str) -> float | int:
 
 
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
-  if isinstance(grads_finite, bool):
-    return jnp.asarray(grads_finite)
-  dtype = getattr(grads_finite, "dtype", None)
-  if dtype is None or np.dtype(dtype) != np.bool_:
-    raise TypeError(
-        "adjust expects grads_finite as a scalar bool (e.g. from"
-        f" jmp_lite.all_finite), got {type(grads_finite).__name__} of dtype"
-        f" {dtype}"
-    )
-  if grads_finite.shape != ():
-    raise ValueError(
-        f"adjust expects a scalar bool, got shape {grads_finite.shape}"
-    )
-  return jnp.asarray(grads_finite)
+  return check_scalar_bool(grads_finite, "adjust's grads_finite")
 
 
 def _multiply(tree: T, factor: jax.Array) -> T:

@@ -33,15 +33,6 @@ class MasterWeightsState:
   inner_state: Any
 
 
-def _to(tree: Any, dtype: np.dtype) -> Any:
-  def cast(x: Any) -> Any:
-    if _dtypes.is_floating_array(x) and x.dtype != dtype:
-      return jnp.asarray(x).astype(dtype)
-    return x
-
-  return jax.tree.map(cast, tree)
-
-
 def _apply(master: Any, update: Any) -> Any:
   # optax.apply_updates, less its failure on float0 updates of int leaves.
   if not _dtypes.is_inexact_array(update) or not _dtypes.is_inexact_array(
@@ -112,7 +103,7 @@ def master_weights(
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
   def init(params: Any) -> MasterWeightsState:
-    master = _to(params, dtype)
+    master = _dtypes.cast_floating(params, dtype)
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
   def update(grads: Any, state: MasterWeightsState, params: Any = None,
@@ -123,7 +114,7 @@ def master_weights(
           " opt.update(grads, state, params)"
       )
     updates, inner_state = inner.update(
-        _to(grads, dtype), state.inner_state, state.master, **extra)
+        _dtypes.cast_floating(grads, dtype), state.inner_state, state.master, **extra)
     new_master = jax.tree.map(_apply, state.master, updates)
     param_updates = jax.tree.map(_param_update, new_master, updates, params)
     return param_updates, MasterWeightsState(
@@ -151,11 +142,7 @@ def master_params(opt_state: Any) -> Any:
     >>> jmp_lite.master_params(state)["w"].dtype
     dtype('float32')
   """
-  found = [
-      node for node in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
-      if isinstance(node, MasterWeightsState)
-  ]
+  found = struct.find_nodes(opt_state, MasterWeightsState)
   if len(found) != 1:
     raise ValueError(
         f"Expected one master_weights state in the optimizer state, found"

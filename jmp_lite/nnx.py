@@ -23,8 +23,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmp_lite import dtypes as _dtypes

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,17 +18,6 @@ _KEYS = {
     "o": "output_dtype", "output": "output_dtype",
 }
 _VALID_KEYS = "'params' (or 'p'), 'compute' (or 'c'), 'output' (or 'o')"
-
-
-def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
-  def cast(x: Any) -> Any:
-    # Leaves already in the target dtype are returned as they are: no copy,
-    # and no convert op in the jaxpr.
-    if _dtypes.is_floating_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-
-  return jax.tree.map(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +69,7 @@ class Policy:
       >>> jmp_lite.get_policy("p=f16").cast_to_param(np.ones(2)).dtype
       dtype('float16')
     """
-    return _cast_floating_to(x, self.param_dtype)
+    return _dtypes.cast_floating(x, self.param_dtype)
 
   def cast_to_compute(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to ``compute_dtype``.
@@ -97,7 +85,7 @@ class Policy:
       >>> jmp_lite.get_policy("c=bf16").cast_to_compute(jnp.ones(2)).dtype
       dtype(bfloat16)
     """
-    return _cast_floating_to(x, self.compute_dtype)
+    return _dtypes.cast_floating(x, self.compute_dtype)
 
   def cast_to_output(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to ``output_dtype``.
@@ -114,7 +102,7 @@ class Policy:
       >>> p.cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype
       dtype('float32')
     """
-    return _cast_floating_to(x, self.output_dtype)
+    return _dtypes.cast_floating(x, self.output_dtype)
 
   def with_param_dtype(self, param_dtype: Any) -> "Policy":
     """Returns a copy with ``param_dtype`` replaced.
@@ -261,7 +249,7 @@ def cast_to_full(tree: T) -> T:
     >>> jmp_lite.cast_to_full({"w": jnp.ones(2, jnp.bfloat16)})["w"].dtype
     dtype('float32')
   """
-  return _cast_floating_to(tree, np.dtype(jnp.float32))
+  return _dtypes.cast_floating(tree, np.dtype(jnp.float32))
 
 
 def cast_to_half(tree: T) -> T:
@@ -278,4 +266,4 @@ def cast_to_half(tree: T) -> T:
     >>> jmp_lite.cast_to_half(jnp.ones(2)).dtype == jmp_lite.half_dtype()
     True
   """
-  return _cast_floating_to(tree, _dtypes.half_dtype())
+  return _dtypes.cast_floating(tree, _dtypes.half_dtype())

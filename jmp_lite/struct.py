@@ -138,4 +138,28 @@ def replace(obj: Any, **changes: Any) -> Any:
   return new
 
 
-__all__ = ["dataclass", "field", "replace"]
+def find_nodes(tree: Any, kind: type) -> list[Any]:
+  """Every node of type ``kind`` in ``tree``, in flattening order.
+
+  Finds states inside ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``
+  and any other pytree of states; the nodes themselves are not descended into.
+
+  Args:
+    tree: any pytree (an optimizer state, say).
+    kind: the node class to look for.
+
+  Returns:
+    The matching nodes.
+
+  Example:
+    >>> import jmp_lite
+    >>> state = ({"a": jmp_lite.NoOpLossScale()}, [jmp_lite.StaticLossScale(2.0)])
+    >>> [type(n).__name__ for n in jmp_lite.struct.find_nodes(
+    ...     state, jmp_lite.StaticLossScale)]
+    ['StaticLossScale']
+  """
+  return [node for node in jax.tree.leaves(
+      tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(node, kind)]
+
+
+__all__ = ["dataclass", "field", "find_nodes", "replace"]

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
-from jmp_lite.finite import all_finite, select_tree
+from jmp_lite.finite import all_finite, select_tree, skip_updates
 from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
                                  StaticLossScale)
 from jmp_lite.master import half_precision_leaves
@@ -102,24 +101,21 @@ def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
   return jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
 
 
-def _zeros_where_not(apply: jax.Array, updates: Any) -> Any:
-  # A skipped update is -0.0, not +0.0: x + (-0.0) == x bit for bit for every
-  # x, including x == -0.0 (which + 0.0 would turn into +0.0).
-  def zero(u: Any) -> Any:
-    if not _dtypes.is_inexact_array(u):
-      return u
-    return jnp.where(apply, u, jnp.asarray(-0.0, u.dtype))
-
-  return jax.tree.map(zero, updates)
-
-
 def _guarded_update(inner: optax.GradientTransformation, updates: Any,
                     inner_state: Any, params: Any, apply: jax.Array,
-                    extra: dict[str, Any]) -> tuple[Any, Any]:
+                    extra: dict[str, Any], check_updates: bool = False,
+                    axis_name: Any = None) -> tuple[Any, Any, jax.Array]:
+  """Runs ``inner`` and keeps its result only where ``apply``.
+
+  With ``check_updates``, a step whose updates came out non-finite is not
+  applied either. Returns ``(updates, inner_state, applied)``.
+  """
   new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
-  new_updates = _zeros_where_not(apply, new_updates)
+  if check_updates:
+    apply = apply & _reduce_finite(all_finite(new_updates), axis_name)
+  new_updates = skip_updates(apply, new_updates)
   new_inner = select_tree(apply, new_inner, inner_state)
-  return new_updates, new_inner
+  return new_updates, new_inner, apply
 
 
 def _check_transformation(inner: Any) -> None:
@@ -205,7 +201,7 @@ def skip_nonfinite(
     finite = _reduce_finite(all_finite(updates), axis_name)
     halted = jnp.asarray(state.halted, jnp.bool_)
     apply = finite & ~halted
-    new_updates, new_inner = _guarded_update(
+    new_updates, new_inner, _ = _guarded_update(
         inner, updates, state.inner_state, params, apply, extra)
     counts = _count(apply, state.total_skips, state.consecutive_skips)
     if max_consecutive_skips is not None:
@@ -372,16 +368,9 @@ def loss_scaled(
     if check_unscaled:
       finite = finite & all_finite(grads)
     finite = _reduce_finite(finite, axis_name)
-    apply = finite
-    if check_updates:
-      raw_updates, raw_inner = inner.update(grads, state.inner_state, params,
-                                            **extra)
-      apply = finite & _reduce_finite(all_finite(raw_updates), axis_name)
-      new_updates = _zeros_where_not(apply, raw_updates)
-      new_inner = select_tree(apply, raw_inner, state.inner_state)
-    else:
-      new_updates, new_inner = _guarded_update(
-          inner, grads, state.inner_state, params, finite, extra)
+    new_updates, new_inner, apply = _guarded_update(
+        inner, grads, state.inner_state, params, finite, extra,
+        check_updates, axis_name)
     counts = _count(apply, state.total_skips, state.consecutive_skips)
     return new_updates, LossScaledState(
         inner_state=new_inner,
@@ -410,12 +399,49 @@ def _may_amplify(loss_scale: LossScale) -> bool:
   return bool(float(lowest) < 1.0)
 
 
-def _find(opt_state: Any, kind: type) -> list[Any]:
-  return [
-      node for node in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, kind))
-      if isinstance(node, kind)
-  ]
+def loss_scaled_state(opt_state: Any,
+                      name: str | None = None) -> LossScaledState:
+  """Returns the :class:`LossScaledState` inside ``opt_state``.
+
+  Finds it anywhere: inside ``optax.chain``, ``optax.MultiSteps``,
+  ``optax.inject_hyperparams``, ``optax.multi_transform``, ``master_weights``
+  or any other pytree of states. Its counters (``total_skips``,
+  ``last_finite``, ...) are what a training loop logs.
+
+  Args:
+    opt_state: an optimizer state containing one (or, with ``name``, several)
+      :class:`LossScaledState`.
+    name: the ``name=`` given to :func:`loss_scaled`, to pick one of several.
+
+  Returns:
+    The state.
+
+  Raises:
+    ValueError: if no loss-scaled state is found, or several are and ``name``
+      does not single one out.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.master_weights(jmp_lite.loss_scaled(optax.sgd(0.1), "f32"))
+    >>> int(jmp_lite.loss_scaled_state(opt.init(jnp.ones(2))).total_skips)
+    0
+  """
+  every = struct.find_nodes(opt_state, LossScaledState)
+  found = every if name is None else [s for s in every if s.name == name]
+  if len(found) == 1:
+    return found[0]
+  names = [s.name for s in every]
+  if not found:
+    raise ValueError(
+        "No loss_scaled state"
+        + (f" named {name!r}" if name is not None else "")
+        + f" in the optimizer state (names found: {names}); build the"
+        " optimizer with jmp_lite.loss_scaled(...)"
+    )
+  raise ValueError(
+      f"{len(found)} loss_scaled states found (names: {names}); pass name= to"
+      " current_loss_scale and give each loss_scaled(...) its own name="
+  )
 
 
 def current_loss_scale(opt_state: Any, name: str | None = None) -> LossScale:
@@ -445,23 +471,7 @@ def current_loss_scale(opt_state: Any, name: str | None = None) -> LossScale:
     >>> float(scale.loss_scale)
     32768.0
   """
-  found = _find(opt_state, LossScaledState)
-  if name is not None:
-    found = [s for s in found if s.name == name]
-  if len(found) == 1:
-    return found[0].loss_scale
-  names = [s.name for s in _find(opt_state, LossScaledState)]
-  if not found:
-    raise ValueError(
-        "No loss_scaled state"
-        + (f" named {name!r}" if name is not None else "")
-        + f" in the optimizer state (names found: {names}); build the"
-        " optimizer with jmp_lite.loss_scaled(...)"
-    )
-  raise ValueError(
-      f"{len(found)} loss_scaled states found (names: {names}); pass name= to"
-      " current_loss_scale and give each loss_scaled(...) its own name="
-  )
+  return loss_scaled_state(opt_state, name).loss_scale
 
 
 def raise_if_halted(opt_state: Any) -> None:
@@ -481,7 +491,7 @@ def raise_if_halted(opt_state: Any) -> None:
     >>> opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=3)
     >>> jmp_lite.raise_if_halted(opt.init(jnp.ones(2)))  # nothing to report
   """
-  for node in _find(opt_state, SkipNonfiniteState):
+  for node in struct.find_nodes(opt_state, SkipNonfiniteState):
     if bool(node.halted):
       raise NonFiniteHaltError(
           f"Training halted after {int(node.consecutive_skips)} consecutive"

@@ -88,7 +88,7 @@ def test_select_tree_passes_identical_static_leaves():
 @pytest.mark.parametrize("pred,err,match", [
     (jnp.array([True, False]), ValueError, "shape"),
     (jnp.array(1), TypeError, "dtype int32"),
-    (1.0, TypeError, "scalar bool predicate"),
+    (1.0, TypeError, "pred must be a scalar bool"),
 ])
 def test_select_tree_bad_predicate(pred, err, match):
   with pytest.raises(err, match=match):

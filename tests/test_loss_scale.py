@@ -304,7 +304,7 @@ def test_static_bad_configuration(value, err):
 def test_adjust_rejects_bad_predicates(state):
   with pytest.raises(ValueError, match=r"scalar bool, got shape \(2,\)"):
     state.adjust(jnp.array([True, False]))
-  with pytest.raises(TypeError, match="grads_finite as a scalar bool"):
+  with pytest.raises(TypeError, match="grads_finite must be a scalar bool"):
     state.adjust(jnp.float32(1.0))
 
 
