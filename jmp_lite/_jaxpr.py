@@ -36,10 +36,12 @@ def bind(eqn: Any, params: dict[str, Any], invals: Sequence[Any]) -> list[Any]:
 
 
 def aval_of(atom: Any) -> Any:
+  """The abstract value (shape, dtype, weak type) of a jaxpr variable."""
   return atom.aval
 
 
 def is_literal(atom: Any) -> bool:
+  """Whether a jaxpr operand is an inline constant rather than a variable."""
   return isinstance(atom, jex.Literal)
 
 
@@ -121,6 +123,7 @@ def primitives_by_name() -> dict[str, Any]:
 
 
 def has_subjaxprs(eqn: Any) -> bool:
+  """Whether ``eqn`` is higher-order (carries jaxprs in its parameters)."""
   return any(True for _ in jex.jaxprs_in_params(eqn.params))
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import math
 from typing import Any, Callable, Iterable, Sequence
 
@@ -284,10 +285,12 @@ def _is_traced_leaf(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _make_config(policy_or_dtype: Any, allow: Iterable[Any],
-                 deny: Iterable[Any], use_default_lists: bool,
-                 exclude_scopes: Sequence[str], force_scopes: Sequence[str],
-                 accumulate_in_float32: bool) -> _Config:
+def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
+                 deny: Iterable[Any] = (), use_default_lists: bool = True,
+                 exclude_scopes: Sequence[str] = (),
+                 force_scopes: Sequence[str] = (),
+                 accumulate_in_float32: bool = True) -> _Config:
+  """Validates :func:`autocast`'s options (shared with the audit)."""
   if isinstance(policy_or_dtype, Policy):
     compute = policy_or_dtype.compute_dtype
   elif policy_or_dtype is None:
@@ -388,8 +391,10 @@ def autocast(
   """
   if not callable(fn):
     raise TypeError(f"autocast expects a callable, got {fn!r}")
-  cfg = _make_config(policy_or_dtype, allow, deny, use_default_lists,
-                     exclude_scopes, force_scopes, accumulate_in_float32)
+  cfg = _make_config(policy_or_dtype, allow=allow, deny=deny,
+                     use_default_lists=use_default_lists,
+                     exclude_scopes=exclude_scopes, force_scopes=force_scopes,
+                     accumulate_in_float32=accumulate_in_float32)
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -495,13 +500,10 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
         dtype=floats[0] if floats else "-", input_dtypes=ins,
         output_dtypes=out_dtypes, flops=_flops(eqn)))
 
-  cfg = _make_config(
-      policy_or_dtype, options.pop("allow", ()), options.pop("deny", ()),
-      options.pop("use_default_lists", True),
-      options.pop("exclude_scopes", ()), options.pop("force_scopes", ()),
-      options.pop("accumulate_in_float32", True))
-  if options:
-    raise TypeError(f"Unknown autocast options: {sorted(options)}")
-  cfg = dataclasses.replace(cfg, record=record)
+  unknown = set(options) - set(inspect.signature(_make_config).parameters)
+  if unknown:
+    raise TypeError(f"Unknown autocast options: {sorted(unknown)}")
+  cfg = dataclasses.replace(_make_config(policy_or_dtype, **options),
+                            record=record)
   jax.eval_shape(lambda *a: _run(fn, cfg, a, {}), *args)
   return Audit(tuple(records), cfg.compute.name)

@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from typing import Callable, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jmp_lite
 
@@ -99,11 +97,6 @@ def _data(seed: int, n: int, features: int, out: int):
   return x, y
 
 
-def _nbytes(tree) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                 if hasattr(x, "dtype")))
-
-
 def _progress(out: TextIO | None, label: str, i: int, n: int) -> None:
   if out is None:
     return
@@ -144,61 +137,34 @@ def train(name: str, policy: jmp_lite.Policy, loss_scale: jmp_lite.LossScale,
     >>> row.skipped
     0
   """
+  from jmp_lite import examples
   from jmp_lite import linen as jl
 
   features, out = 32, 8
   x, y = _data(seed, batch * 8, features, out)
   model = jl.mixed_precision(_make_model(width, depth, out), policy)
   params = model.init(jax.random.key(seed), jnp.zeros((1, features)))["params"]
-  opt = jmp_lite.loss_scaled(optax.adam(1e-3), loss_scale,
-                             allow_half_state=not master)
-  if master:
-    opt = jmp_lite.master_weights(opt)
-  opt_state = opt.init(params)
 
-  def loss_fn(p, xb, yb):
-    pred = model.apply({"params": p}, xb)
-    return jnp.mean((pred.astype(jnp.float32) - yb) ** 2)
-
-  @jax.jit
-  def step(params, opt_state, xb, yb):
-    scale = jmp_lite.current_loss_scale(opt_state)
-    grads, loss = jax.grad(
-        lambda p: (scale.scale(loss_fn(p, xb, yb)), loss_fn(p, xb, yb)),
-        has_aux=True)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  def loss_fn(p, b):
+    pred = model.apply({"params": p}, b[0])
+    return jnp.mean((pred.astype(jnp.float32) - b[1]) ** 2)
 
   n_batches = len(x) // batch
 
-  def batch_at(i):
+  def batches(i):
     j = i % n_batches
     return x[j * batch:(j + 1) * batch], y[j * batch:(j + 1) * batch]
 
-  _, vjp_fn = jax.vjp(lambda p: loss_fn(p, *batch_at(0)), params)
-  activation_bytes = _nbytes(vjp_fn) - _nbytes(params)
-
-  params, opt_state, loss = step(params, opt_state, *batch_at(0))  # Compile.
-  jax.block_until_ready(loss)
-  every = max(steps // 20, 1)
-  start = time.perf_counter()
-  for i in range(steps):
-    params, opt_state, loss = step(params, opt_state, *batch_at(i + 1))
-    if (i + 1) % every == 0 or i + 1 == steps:
-      _progress(progress, name, i + 1, steps)
-  loss = float(loss)  # The host sync, after the timed loop has been queued.
-  elapsed = time.perf_counter() - start
-  scale_state = jmp_lite.current_loss_scale(opt_state)
-  skipped = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda s: isinstance(s, jmp_lite.LossScaledState))
-      if isinstance(s, jmp_lite.LossScaledState)][0].total_skips
+  report = None if progress is None else (
+      lambda done: _progress(progress, name, done, steps))
+  result = examples.fit(params, loss_fn, batches, steps=steps, lr=1e-3,
+                        loss_scale=loss_scale, master=master, progress=report)
   return Row(
       name=name, policy=str(policy), loss_scale=type(loss_scale).__name__,
-      ms_per_step=1000 * elapsed / max(steps, 1), final_loss=loss,
-      param_bytes=_nbytes(params), skipped=int(skipped),
-      final_scale=float(scale_state.loss_scale),
-      state_bytes=_nbytes(opt_state),
-      activation_bytes=max(int(activation_bytes), 0))
+      ms_per_step=result.ms_per_step, final_loss=result.eval_loss,
+      param_bytes=result.param_bytes, skipped=result.skipped,
+      final_scale=float(result.scales[-1]), state_bytes=result.state_bytes,
+      activation_bytes=result.activation_bytes)
 
 
 def format_table(rows: Sequence[Row]) -> str:

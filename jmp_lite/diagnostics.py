@@ -36,6 +36,24 @@ class PrecisionWarning(UserWarning):
   """A half-precision dtype that the device runs slowly or not at all."""
 
 
+def tree_bytes(tree: Any) -> int:
+  """Bytes held by the array leaves of ``tree`` (no device access).
+
+  Args:
+    tree: any pytree (params, an optimizer state, a ``jax.vjp`` closure).
+
+  Returns:
+    The sum of ``size * itemsize`` over leaves that have a dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.diagnostics.tree_bytes({"w": jnp.ones((2, 3), jnp.bfloat16)})
+    12
+  """
+  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+
+
 def nonfinite_counts(tree: Any) -> Any:
   """Counts the +-inf/NaN elements of every inexact leaf (int32 scalars).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 import jmp_lite
+from jmp_lite.diagnostics import tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +55,37 @@ class TrainResult:
   activation_bytes: int = 0
 
 
-def _nbytes(tree: Any) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
-                 if hasattr(x, "dtype")))
+def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],
+        batches: Callable[[int], Any], *, steps: int, lr: float,
+        loss_scale: jmp_lite.LossScale, master: bool,
+        eval_fn: Callable[[Any], tuple[Any, Any]] | None = None,
+        progress: Callable[[int], None] | None = None) -> TrainResult:
+  """Trains ``params`` with Adam under ``loss_scaled`` (and master weights).
 
+  The one training loop behind the examples and ``python -m jmp_lite``. The
+  step is jitted once; losses and scales stay on the device until the loop
+  has been queued, so the timing includes no host syncs.
 
-def _optimizer(lr: float, loss_scale: jmp_lite.LossScale, master: bool):
+  Args:
+    params: initial params (in their param dtypes).
+    loss_fn: ``loss_fn(params, batch)``, a float32 scalar.
+    batches: ``batches(i)``, the i-th batch.
+    steps: optimizer steps (after one compiling call).
+    lr: Adam's learning rate.
+    loss_scale: the initial loss scale.
+    master: keep float32 master weights (otherwise a half-precision
+      optimizer state is allowed).
+    eval_fn: ``eval_fn(params) -> (loss, accuracy)`` on held-out data;
+      without it the last training loss is reported and accuracy is NaN.
+    progress: called with the number of steps done, about 20 times.
+
+  Returns:
+    A :class:`TrainResult`.
+  """
   opt = jmp_lite.loss_scaled(optax.adam(lr), loss_scale,
                              allow_half_state=not master)
-  return jmp_lite.master_weights(opt) if master else opt
-
-
-def _fit(model, params, loss_fn, batches, eval_fn, *, lr, loss_scale, master,
-         steps) -> TrainResult:
-  opt = _optimizer(lr, loss_scale, master)
+  if master:
+    opt = jmp_lite.master_weights(opt)
   state = opt.init(params)
 
   @jax.jit
@@ -81,25 +99,29 @@ def _fit(model, params, loss_fn, batches, eval_fn, *, lr, loss_scale, master,
             jmp_lite.current_loss_scale(state).loss_scale)
 
   _, vjp_fn = jax.vjp(lambda p: loss_fn(p, batches(0)), params)
-  activation_bytes = max(_nbytes(vjp_fn) - _nbytes(params), 0)
+  activation_bytes = max(tree_bytes(vjp_fn) - tree_bytes(params), 0)
   jax.block_until_ready(step(params, state, batches(0)))  # Compile.
   losses, scales = [], []
+  every = max(steps // 20, 1)
   start = time.perf_counter()
   for i in range(steps):
     params, state, loss, scale = step(params, state, batches(i))
     losses.append(loss)
     scales.append(scale)
+    if progress is not None and ((i + 1) % every == 0 or i + 1 == steps):
+      progress(i + 1)
   losses = np.asarray(jax.device_get(losses), np.float32)
   elapsed = time.perf_counter() - start
-  eval_loss, accuracy = eval_fn(params)
-  skipped = [s for s in jax.tree.leaves(
-      state, is_leaf=lambda s: isinstance(s, jmp_lite.LossScaledState))
-      if isinstance(s, jmp_lite.LossScaledState)][0].total_skips
+  if eval_fn is None:
+    eval_loss, accuracy = losses[-1], np.nan
+  else:
+    eval_loss, accuracy = eval_fn(params)
   return TrainResult(
       losses=losses, scales=np.asarray(jax.device_get(scales), np.float32),
       eval_loss=float(eval_loss), accuracy=float(accuracy),
-      ms_per_step=1000 * elapsed / steps, skipped=int(skipped),
-      param_bytes=_nbytes(params), state_bytes=_nbytes(state),
+      ms_per_step=1000 * elapsed / steps,
+      skipped=int(jmp_lite.loss_scaled_state(state).total_skips),
+      param_bytes=tree_bytes(params), state_bytes=tree_bytes(state),
       activation_bytes=activation_bytes)
 
 
@@ -177,8 +199,8 @@ def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_te).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == y_te)
 
-  return _fit(model, params, loss_fn, batches, evaluate, lr=lr,
-              loss_scale=loss_scale, master=master, steps=steps)
+  return fit(params, loss_fn, batches, eval_fn=evaluate, lr=lr,
+             loss_scale=loss_scale, master=master, steps=steps)
 
 
 def python_docs_text(n_chars: int = 20_000) -> str:
@@ -277,5 +299,5 @@ def train_char_lm(policy: Any, loss_scale: Any = None, *, steps: int = 300,
         logits, test_batch[:, 1:]).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == test_batch[:, 1:])
 
-  return _fit(model, params, loss_fn, batches, evaluate, lr=lr,
-              loss_scale=loss_scale, master=master, steps=steps)
+  return fit(params, loss_fn, batches, eval_fn=evaluate, lr=lr,
+             loss_scale=loss_scale, master=master, steps=steps)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.policy import Policy, get_policy
 
 NORM_LAYERS: tuple[type, ...] = (nn.LayerNorm, nn.BatchNorm, nn.RMSNorm,
@@ -492,11 +493,6 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
 
 
-def _nbytes(tree: Any) -> int:
-  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
-
-
 def _float_dtypes(tree: Any) -> str:
   names = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(tree)
                   if _dtypes.is_floating_array(x)})
@@ -615,7 +611,7 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
         stored=_float_dtypes(_own(own_stored)),
         read=_float_dtypes(_own(module_vars)),
         inputs=_float_dtypes((call_args, call_kwargs)),
-        outputs=_float_dtypes(out), param_bytes=_nbytes(_own(own_stored))))
+        outputs=_float_dtypes(out), param_bytes=tree_bytes(_own(own_stored))))
 
   def run(v):
     cast_vars = dict(v)
