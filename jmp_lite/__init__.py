@@ -29,6 +29,13 @@ from jmp_lite.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
+from jmp_lite.low_precision import kahan_summation as kahan_summation
+from jmp_lite.low_precision import KahanState as KahanState
+from jmp_lite.low_precision import state_dtypes as state_dtypes
+from jmp_lite.low_precision import StateDtypesState as StateDtypesState
+from jmp_lite.low_precision import stochastic_rounding as stochastic_rounding
+from jmp_lite.low_precision import (
+    StochasticRoundingState as StochasticRoundingState)
 from jmp_lite.master import master_params as master_params
 from jmp_lite.master import master_weights as master_weights
 from jmp_lite.master import MasterWeightsState as MasterWeightsState
@@ -50,6 +57,7 @@ from jmp_lite.transforms import SkipNonfiniteState as SkipNonfiniteState
 __all__ = (
     "AccumulateState",
     "DynamicLossScale",
+    "KahanState",
     "LossScale",
     "LossScaledState",
     "MasterWeightsState",
@@ -58,7 +66,9 @@ __all__ = (
     "Policy",
     "PrecisionWarning",
     "SkipNonfiniteState",
+    "StateDtypesState",
     "StaticLossScale",
+    "StochasticRoundingState",
     "accumulate_gradients",
     "all_finite",
     "autocast",
@@ -77,6 +87,7 @@ __all__ = (
     "gradient_health",
     "half_dtype",
     "half_region",
+    "kahan_summation",
     "loss_scaled",
     "loss_scaled_state",
     "master",
@@ -88,5 +99,7 @@ __all__ = (
     "raise_if_halted",
     "select_tree",
     "skip_nonfinite",
+    "state_dtypes",
+    "stochastic_rounding",
     "struct",
 )

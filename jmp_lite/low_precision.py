@@ -1,0 +1,615 @@
+"""Low-precision update rules: pure half-precision params that still learn.
+
+A bfloat16 param of 1.0 ignores every update smaller than 2**-9: plain
+``optax.apply_updates`` rounds ``p + u`` to the nearest bfloat16, and small
+updates round away step after step. Float32 master weights fix that at 14
+bytes per parameter. These transformations fix it at 6-8:
+
+* :func:`kahan_summation` keeps each half-precision param's rounding error in
+  a compensation buffer of the param's dtype and adds it back on the next
+  step (Kahan's compensated summation).
+* :func:`stochastic_rounding` rounds ``p + u`` up or down at random, with the
+  probabilities that make the expected result exact.
+* :func:`state_dtypes` stores an optimizer's state (Adam's moments) in narrow
+  dtypes while the optimizer computes in float32; optax alone cannot choose
+  the dtype of ``nu`` (optax issue 1552).
+
+Together (``kahan_summation(state_dtypes(adam, "bf16"))``) they are the
+``O3`` preset's default recipe; see ``docs/low_precision.md``.
+
+The random bits of stochastic rounding come from a counter-based hash of
+(seed, step counter, leaf, element index) computed inside the fused update
+kernel: no random array is materialised and no key is passed per call.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite import struct
+from jmp_lite.accumulation import AccumulateState
+from jmp_lite.path_rules import path_string
+from jmp_lite.transforms import LossScaledState, SkipNonfiniteState
+
+_F32 = np.dtype(jnp.float32)
+_BF16 = np.dtype(jnp.bfloat16)
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+@struct.dataclass
+class KahanState:
+  """State of :func:`kahan_summation`.
+
+  Attributes:
+    compensation: per param leaf, the rounding error not yet applied, in the
+      param's dtype; ``None`` for float32/float64 and non-floating leaves.
+    inner_state: the wrapped optimizer's state.
+  """
+
+  compensation: Any
+  inner_state: Any
+
+
+@struct.dataclass
+class StochasticRoundingState:
+  """State of :func:`stochastic_rounding`.
+
+  Attributes:
+    seed: the stream's seed (uint32 scalar).
+    count: applied steps so far (uint32 scalar); with ``seed`` it picks this
+      step's random bits, so a restored checkpoint continues the stream.
+    inner_state: the wrapped optimizer's state.
+  """
+
+  seed: Any
+  count: Any
+  inner_state: Any
+
+
+@struct.dataclass
+class StateDtypesState:
+  """State of :func:`state_dtypes`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, its floating leaves stored in
+      their storage dtypes.
+    seed: with ``rounding="stochastic"``, the seed (uint32 scalar); else
+      ``None``.
+    count: with ``rounding="stochastic"``, applied steps so far (uint32
+      scalar); else ``None``.
+  """
+
+  inner_state: Any
+  seed: Any = None
+  count: Any = None
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _check_inner(inner: Any, who: str) -> None:
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"{who} expects an optax.GradientTransformation (with init and"
+        f" update), got {type(inner).__name__}: {inner!r}")
+
+
+def _check_seed(seed: Any) -> int:
+  if isinstance(seed, (bool, np.bool_)) or not isinstance(
+      seed, (int, np.integer)):
+    raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")
+  if not 0 <= int(seed) < 2**32:
+    raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+  return int(seed)
+
+
+def _need_params(params: Any, who: str) -> None:
+  if params is None:
+    raise ValueError(
+        f"{who} needs the current params to round against: call"
+        " opt.update(grads, state, params)")
+
+
+def _is_narrow(x: Any) -> bool:
+  """Floating arrays narrower than float32: bfloat16, float16, float8."""
+  return _dtypes.is_floating_array(x) and np.dtype(x.dtype).itemsize < 4
+
+
+def _wide(*xs: Any) -> np.dtype:
+  """float32, or wider if an operand is (float64 updates under x64)."""
+  dtype = _F32
+  for x in xs:
+    if _dtypes.is_floating_array(x):
+      dtype = jnp.promote_types(dtype, x.dtype)
+  return np.dtype(dtype)
+
+
+def _upcast(tree: Any) -> Any:
+  """Narrow floating leaves to float32; everything else as it is."""
+  return jax.tree.map(lambda x: x.astype(_F32) if _is_narrow(x) else x, tree)
+
+
+def _inner_applied(inner_state: Any) -> jax.Array:
+  """Whether the guards inside ``inner_state`` applied this step.
+
+  ``loss_scaled``, ``skip_nonfinite`` and ``accumulate_gradients`` hand on
+  ``-0.0`` updates when they skip; their states say so. A counter of ours must
+  not advance on such a step, or a skip would shift the random stream.
+  """
+  applied = jnp.ones((), jnp.bool_)
+  for s in struct.find_nodes(inner_state, LossScaledState):
+    applied = applied & s.last_finite
+  for s in struct.find_nodes(inner_state, SkipNonfiniteState):
+    applied = applied & s.last_finite & ~s.halted
+  for s in struct.find_nodes(inner_state, AccumulateState):
+    applied = applied & (s.mini_step == 0)
+  return applied
+
+
+def _delta(new_wide: jax.Array, p_wide: jax.Array) -> jax.Array:
+  """The update taking ``p`` to ``new`` under ``optax.apply_updates``.
+
+  Both are values of the param's dtype held in a wider float, so their
+  difference is exact unless they are 2**16 (bfloat16) / 2**13 (float16)
+  binades apart, and ``(p + delta).astype(p.dtype)`` lands exactly on
+  ``new``. ``-0.0`` where nothing moves: ``p + -0.0`` is ``p`` bit for bit.
+  """
+  return jnp.where(new_wide != p_wide, new_wide - p_wide,
+                   jnp.asarray(-0.0, new_wide.dtype))
+
+
+# ------------------------------------------------------- random bits (hash)
+
+_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_GOLDEN = 0x9E3779B9
+_C0, _C1 = np.uint32(0x68E31DA4), np.uint32(0xB5297A4D)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """A bijective 32-bit avalanche (MurmurHash3's finaliser); uint32 in/out."""
+  x = x ^ (x >> 16)
+  x = x * _M1
+  x = x ^ (x >> 13)
+  x = x * _M2
+  return x ^ (x >> 16)
+
+
+def _step_key(seed: jax.Array, count: jax.Array) -> jax.Array:
+  return _mix(_mix(jnp.asarray(seed, jnp.uint32) ^ _C0)
+              ^ jnp.asarray(count, jnp.uint32))
+
+
+def _global_index(shape: tuple[int, ...], spec: Any) -> jax.Array:
+  """Each element's flat index in the *global* array (uint32, wrapping).
+
+  Under ``shard_map`` a leaf is a local shard; ``spec`` (its
+  ``PartitionSpec``) says which mesh axes split each dimension, and
+  ``axis_index`` gives this shard's offset. So shards draw different bits
+  and replicated copies draw the same ones, as the unsharded run would.
+  """
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  entries = tuple(spec) if spec is not None else ()
+  for d in reversed(range(len(shape))):
+    coord = jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+    names = entries[d] if d < len(entries) else None
+    parts = 1
+    if names is not None:
+      parts = int(jax.lax.axis_size(names))
+      offset = jax.lax.axis_index(names).astype(jnp.uint32)
+      coord = coord + offset * np.uint32(shape[d] % 2**32)
+    index = index + coord * np.uint32(stride % 2**32)
+    stride *= shape[d] * parts
+  return index
+
+
+def _random_bits(key: jax.Array, leaf: int, shape: tuple[int, ...],
+                 spec: Any = None) -> jax.Array:
+  """Uniform uint32 bits for one leaf, elementwise (fuses into the update)."""
+  k1 = _mix(key + np.uint32((leaf * _GOLDEN) % 2**32))
+  k2 = _mix(k1 ^ _C1)
+  return _mix(_mix(_global_index(shape, spec) ^ k1) + k2)
+
+
+def _round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
+  """``x`` rounded to ``dtype`` up or down, unbiased: E[result] == x."""
+  dtype = np.dtype(dtype)
+  if np.dtype(x.dtype) == _F32 and dtype == _BF16:
+    # bfloat16 is float32's top 16 bits: add 16 random bits below them and
+    # truncate. Carries round the magnitude up with probability equal to the
+    # dropped fraction; the sign bit is never touched.
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    raw = (raw + (bits >> 16)) & np.uint32(0xFFFF0000)
+    out = jax.lax.bitcast_convert_type(raw, jnp.float32)
+    return jnp.where(jnp.isnan(x), x, out).astype(dtype)
+  # Any other pair (float16's subnormals and narrower exponent included):
+  # between the nearest value and its neighbour on the far side of x.
+  near = x.astype(dtype)
+  near_wide = near.astype(x.dtype)
+  err = x - near_wide
+  toward = jnp.where(err > 0, jnp.inf, -jnp.inf).astype(dtype)
+  other = jnp.nextafter(near, toward)
+  gap = other.astype(x.dtype) - near_wide
+  uniform = (bits >> 8).astype(x.dtype) * (2.0**-24)
+  # err / gap is in [0, 1/2]; NaN (never taken) where near is +-inf.
+  return jnp.where(uniform < err / gap, other, near)
+
+
+def _leaf_specs(specs: Any, tree: Any, what: str) -> list[Any]:
+  """One ``PartitionSpec`` (or ``None``) per leaf of ``tree``."""
+  leaves = jax.tree.leaves(tree)
+  if specs is None:
+    return [None] * len(leaves)
+  is_spec = lambda s: s is None or isinstance(s, jax.sharding.PartitionSpec)
+  spec_leaves, spec_def = jax.tree.flatten(specs, is_leaf=is_spec)
+  try:
+    subtrees = spec_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"specs must be a pytree prefix of the {what} (PartitionSpecs as given"
+        f" to shard_map's in_specs): {e}") from None
+  out = []
+  for spec, sub in zip(spec_leaves, subtrees):
+    if not is_spec(spec):
+      raise TypeError(
+          f"specs leaves must be jax.sharding.PartitionSpec or None, got"
+          f" {spec!r}")
+    out.extend([spec] * len(jax.tree.leaves(sub)))
+  return out
+
+
+# ----------------------------------------------------------- kahan_summation
+
+
+def kahan_summation(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Applies ``inner``'s updates to half-precision params with compensation.
+
+  For every bfloat16/float16 param leaf the state keeps a compensation buffer
+  ``c`` of the param's dtype. Each step computes, in float32,
+  ``s = p + (u + c)`` (``u``: ``inner``'s update), the new param
+  ``round(s)`` and the new buffer ``s - round(s)``, and returns the update
+  that makes ``optax.apply_updates(params, updates)`` land exactly on
+  ``round(s)``. The rounding error is carried into the next step, so updates
+  far below half an ulp accumulate instead of vanishing: ``p + c`` follows a
+  float32 run to about one ulp of the param's dtype.
+
+  Returned updates are float32 for half-precision leaves (the exact
+  difference of two half values). float32/float64 and non-floating leaves
+  have no buffer and pass ``inner``'s updates through unchanged. An element
+  whose update is exactly zero keeps its param and buffer as they were.
+
+  Composition: compute the moments in float32 and store them in bfloat16
+  with ``kahan_summation(state_dtypes(inner, "bf16"))`` (8 bytes per
+  parameter with Adam). A step skipped by :func:`~jmp_lite.loss_scaled` or
+  :func:`~jmp_lite.skip_nonfinite` leaves params and buffers bit-identical
+  whether the guard is inside (its ``-0.0`` updates move nothing) or
+  outside (it keeps this state).
+
+  Args:
+    inner: the optimizer whose updates to apply.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`KahanState`. Its ``update`` requires ``params``.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation.
+    ValueError: from ``update``, when called without ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.kahan_summation(optax.sgd(1e-4))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = opt.init(params)
+    >>> state.compensation["w"].dtype
+    dtype(bfloat16)
+    >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
+    ...   updates, state = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"]
+    Array([0.988281, 0.988281], dtype=bfloat16)
+  """
+  _check_inner(inner, "kahan_summation")
+
+  def init(params: Any) -> KahanState:
+    compensation = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, p.dtype) if _is_narrow(p) else None,
+        params)
+    return KahanState(compensation=compensation,
+                      inner_state=inner.init(params))
+
+  def leaf(p: Any, u: Any, c: Any) -> tuple[Any, Any]:
+    if c is None or not _dtypes.is_floating_array(u):
+      return u, c
+    wide = _wide(p, u)
+    p_wide, u_wide = p.astype(wide), u.astype(wide)
+    s = p_wide + (u_wide + c.astype(wide))
+    new_wide = s.astype(p.dtype).astype(wide)
+    # |s - new| <= half an ulp of new: exact in float32, rounded into c.
+    moved = u_wide != 0
+    new_c = jnp.where(moved, (s - new_wide).astype(c.dtype), c)
+    delta = jnp.where(moved, _delta(new_wide, p_wide),
+                      jnp.asarray(-0.0, wide))
+    return delta, new_c
+
+  def update(updates: Any, state: KahanState, params: Any = None,
+             **extra: Any) -> tuple[Any, KahanState]:
+    _need_params(params, "kahan_summation")
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra)
+    p_leaves, treedef = jax.tree.flatten(params)
+    u_leaves = treedef.flatten_up_to(inner_updates)
+    c_leaves = treedef.flatten_up_to(state.compensation)
+    out = [leaf(p, u, c) for p, u, c in zip(p_leaves, u_leaves, c_leaves)]
+    new_updates = treedef.unflatten([o[0] for o in out])
+    compensation = treedef.unflatten([o[1] for o in out])
+    return new_updates, KahanState(compensation=compensation,
+                                   inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ------------------------------------------------------- stochastic_rounding
+
+
+def stochastic_rounding(
+    inner: optax.GradientTransformation,
+    *,
+    seed: int = 0,
+    specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Applies ``inner``'s updates to half-precision params, rounding at random.
+
+  ``optax.apply_updates(params, updates)`` equals ``params + u`` (``u``:
+  ``inner``'s update, summed in float32) rounded to each param's dtype *up or
+  down at random*, with the probability of rounding up equal to the dropped
+  fraction of an ulp: the expectation is the exact sum, so updates far below
+  half an ulp still move the param on average. No extra buffer: 6 bytes per
+  parameter with Adam's moments in bfloat16 (see :func:`state_dtypes`).
+
+  The random bits are a hash of ``seed``, a step counter kept in the state,
+  the leaf and the element's index, computed inside the update's fused
+  kernel. A run is reproducible, and a restored checkpoint continues the same
+  stream. The counter advances only on applied steps: a step skipped by a
+  :func:`~jmp_lite.loss_scaled`, :func:`~jmp_lite.skip_nonfinite` or
+  :func:`~jmp_lite.accumulate_gradients` inside or outside leaves the state
+  bit-identical. float32/float64 and non-floating leaves pass ``inner``'s
+  updates through unchanged.
+
+  Args:
+    inner: the optimizer whose updates to apply.
+    seed: an int in ``[0, 2**32)``; stored in the state.
+    specs: under ``jax.shard_map`` only: the params' ``PartitionSpec`` s (a
+      pytree prefix of the params, as given to ``in_specs``). Each element
+      then draws the bits of its *global* index, so shards of a sharded param
+      draw different bits and the result equals the unsharded run's bit for
+      bit. Not needed under ``jax.jit`` with sharded arrays.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`StochasticRoundingState`. Its ``update`` requires ``params``.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation or ``seed`` not
+      an int.
+    ValueError: if ``seed`` is out of range; from ``update``, when called
+      without ``params`` or with ``specs`` that do not fit the params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.stochastic_rounding(optax.sgd(1e-4), seed=0)
+    >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+    >>> state = opt.init(params)
+    >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
+    ...   updates, state = opt.update({"w": jnp.ones(1000, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"].dtype, round(float(params["w"].astype(jnp.float32).mean()), 3)
+    (dtype(bfloat16), 0.99)
+  """
+  _check_inner(inner, "stochastic_rounding")
+  seed = _check_seed(seed)
+
+  def init(params: Any) -> StochasticRoundingState:
+    return StochasticRoundingState(
+        seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
+        inner_state=inner.init(params))
+
+  def update(updates: Any, state: StochasticRoundingState, params: Any = None,
+             **extra: Any) -> tuple[Any, StochasticRoundingState]:
+    _need_params(params, "stochastic_rounding")
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra)
+    key = _step_key(state.seed, state.count)
+    p_leaves, treedef = jax.tree.flatten(params)
+    u_leaves = treedef.flatten_up_to(inner_updates)
+    leaf_specs = _leaf_specs(specs, params, "params")
+
+    def leaf(i: int, p: Any, u: Any) -> Any:
+      if not _is_narrow(p) or not _dtypes.is_floating_array(u):
+        return u
+      wide = _wide(p, u)
+      p_wide = p.astype(wide)
+      s = p_wide + u.astype(wide)
+      bits = _random_bits(key, i, p.shape, leaf_specs[i])
+      new_wide = _round_stochastic(s, p.dtype, bits).astype(wide)
+      return _delta(new_wide, p_wide)
+
+    new_updates = treedef.unflatten(
+        [leaf(i, p, u) for i, (p, u) in enumerate(zip(p_leaves, u_leaves))])
+    count = state.count + _inner_applied(inner_state).astype(jnp.uint32)
+    return new_updates, StochasticRoundingState(
+        seed=state.seed, count=count, inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --------------------------------------------------------------- state_dtypes
+
+
+def _parse_dtypes(dtypes: Any) -> Any:
+  """One ``np.dtype``, or a list of (compiled regex, pattern, dtype)."""
+  if isinstance(dtypes, Mapping):
+    if not dtypes:
+      raise ValueError("state_dtypes: the dtypes mapping is empty")
+    rules = []
+    for pattern, dtype in dtypes.items():
+      if not isinstance(pattern, str):
+        raise TypeError(
+            f"state_dtypes: pattern keys must be str, got {pattern!r}")
+      try:
+        regex = re.compile(pattern)
+      except re.error as e:
+        raise ValueError(f"state_dtypes: bad pattern {pattern!r}: {e}") from None
+      rules.append((regex, pattern, _dtypes.to_floating_dtype(
+          dtype, f"dtypes[{pattern!r}]")))
+    return rules
+  return _dtypes.to_floating_dtype(dtypes, "dtypes")
+
+
+def state_dtypes(
+    inner: optax.GradientTransformation,
+    dtypes: Any,
+    *,
+    strict: bool = False,
+    rounding: str = "nearest",
+    seed: int = 0,
+    specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Stores ``inner``'s state in narrow dtypes; ``inner`` computes in float32.
+
+  ``init`` runs ``inner.init`` on the params upcast to float32 and casts the
+  chosen floating state leaves to their storage dtypes. ``update`` upcasts
+  every narrower-than-float32 state leaf, gradient and param to float32, runs
+  ``inner``, and rounds each new state leaf back to the dtype it is stored in
+  (to nearest, or stochastically). So Adam's moments can live in bfloat16
+  while its arithmetic, and its updates, stay float32: optax cannot choose
+  ``nu``'s dtype (only ``mu_dtype`` exists, optax issue 1552).
+
+  Leaves are chosen by ``dtypes``:
+
+  * one dtype: every floating state leaf with at least one dimension (the
+    per-parameter arrays; scalar hyperparameters and loss scales stay);
+  * ``{regex: dtype}``: the first pattern that ``re.fullmatch`` es the leaf's
+    ``/``-joined key path inside ``inner``'s state (``"0/mu/w"`` for
+    ``optax.adam``) gives the dtype; unmatched leaves stay as ``inner``
+    makes them.
+
+  The updates are float32 for half-precision params: wrap this in
+  :func:`kahan_summation` or :func:`stochastic_rounding` to apply them
+  without losing what rounds away. Nearest rounding of a bfloat16 ``nu``
+  cannot follow Adam's ``b2=0.999`` decay (a 0.1% change is below half an
+  ulp); ``rounding="stochastic"`` can, in expectation.
+
+  Args:
+    inner: the optimizer; put a :func:`~jmp_lite.loss_scaled` *inside* so
+      that it unscales float32 gradients.
+    dtypes: a dtype (or name such as ``"bf16"``) or a ``{regex: dtype}``
+      mapping.
+    strict: raise if a pattern matches no floating state leaf.
+    rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the state then
+      holds a seed and a step counter, advanced only on applied steps).
+    seed: the stochastic rounding seed, an int in ``[0, 2**32)``.
+    specs: with stochastic rounding under ``jax.shard_map`` only: the
+      ``PartitionSpec`` s of ``inner``'s state (a pytree prefix of it), as for
+      :func:`stochastic_rounding`'s ``specs``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`StateDtypesState`.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation, a dtype is not
+      a floating dtype, or a pattern is not a string.
+    ValueError: for a bad regex, an unknown ``rounding``, a bad ``seed``; from
+      ``init``, with ``strict=True``, for a pattern that matches no floating
+      state leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16"})
+    >>> state = opt.init({"w": jnp.ones(3, jnp.bfloat16)})
+    >>> state.inner_state[0].mu["w"].dtype, state.inner_state[0].nu["w"].dtype
+    (dtype(bfloat16), dtype('float32'))
+  """
+  _check_inner(inner, "state_dtypes")
+  rules = _parse_dtypes(dtypes)
+  if rounding not in _ROUNDINGS:
+    raise ValueError(
+        f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
+  seed = _check_seed(seed)
+  stochastic = rounding == "stochastic"
+
+  def storage(path: Any, x: Any, used: set[int]) -> Any:
+    if not _dtypes.is_floating_array(x):
+      return None
+    if not isinstance(rules, list):
+      return rules if x.ndim >= 1 else None
+    name = path_string(path)
+    for i, (regex, _, dtype) in enumerate(rules):
+      if regex.fullmatch(name):
+        used.add(i)
+        return dtype
+    return None
+
+  def init(params: Any) -> StateDtypesState:
+    inner_state = inner.init(_upcast(params))
+    used: set[int] = set()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
+    stored = []
+    for path, x in leaves:
+      dtype = storage(path, x, used)
+      stored.append(x if dtype is None or x.dtype == dtype else x.astype(dtype))
+    if strict and isinstance(rules, list):
+      unused = [p for i, (_, p, _) in enumerate(rules) if i not in used]
+      if unused:
+        names = [path_string(p) for p, x in leaves
+                 if _dtypes.is_floating_array(x)]
+        raise ValueError(
+            f"state_dtypes(strict=True): pattern(s) {unused} matched no"
+            f" floating state leaf; the floating leaves are {names[:12]}"
+            + (" ..." if len(names) > 12 else ""))
+    return StateDtypesState(
+        inner_state=treedef.unflatten(stored),
+        seed=jnp.asarray(seed, jnp.uint32) if stochastic else None,
+        count=jnp.zeros((), jnp.uint32) if stochastic else None)
+
+  def update(updates: Any, state: StateDtypesState, params: Any = None,
+             **extra: Any) -> tuple[Any, StateDtypesState]:
+    stored, treedef = jax.tree.flatten(state.inner_state)
+    new_updates, new_inner = inner.update(
+        _upcast(updates), treedef.unflatten([
+            x.astype(_F32) if _is_narrow(x) else x for x in stored]),
+        _upcast(params), **extra)
+    new_leaves = treedef.flatten_up_to(new_inner)
+    seed_, count = state.seed, state.count
+    if stochastic:
+      key = _step_key(seed_, count)
+      leaf_specs = _leaf_specs(specs, state.inner_state, "optimizer state")
+
+    def back(i: int, old: Any, new: Any) -> Any:
+      if not _dtypes.is_floating_array(old) or new.dtype == old.dtype:
+        return new
+      if stochastic and np.dtype(new.dtype).itemsize > np.dtype(
+          old.dtype).itemsize:
+        bits = _random_bits(key, i, old.shape, leaf_specs[i])
+        return _round_stochastic(new, old.dtype, bits)
+      return new.astype(old.dtype)
+
+    rounded = [back(i, o, n) for i, (o, n) in enumerate(zip(stored,
+                                                            new_leaves))]
+    if stochastic:
+      count = count + _inner_applied(new_inner).astype(jnp.uint32)
+    return new_updates, StateDtypesState(
+        inner_state=treedef.unflatten(rounded), seed=seed_, count=count)
+
+  return optax.GradientTransformationExtraArgs(init, update)
