@@ -55,11 +55,17 @@ class TrainResult:
   activation_bytes: int = 0
 
 
+OptimizerBuilder = Callable[[optax.GradientTransformation, jmp_lite.LossScale],
+                            optax.GradientTransformation]
+"""``builder(adam, loss_scale) -> optimizer``, for :func:`fit`'s ``optimizer``."""
+
+
 def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],
         batches: Callable[[int], Any], *, steps: int, lr: float,
         loss_scale: jmp_lite.LossScale, master: bool,
         eval_fn: Callable[[Any], tuple[Any, Any]] | None = None,
-        progress: Callable[[int], None] | None = None) -> TrainResult:
+        progress: Callable[[int], None] | None = None,
+        optimizer: OptimizerBuilder | None = None) -> TrainResult:
   """Trains ``params`` with Adam under ``loss_scaled`` (and master weights).
 
   The one training loop behind the examples and ``python -m jmp_lite``. The
@@ -78,14 +84,26 @@ def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],
     eval_fn: ``eval_fn(params) -> (loss, accuracy)`` on held-out data;
       without it the last training loss is reported and accuracy is NaN.
     progress: called with the number of steps done, about 20 times.
+    optimizer: ``optimizer(adam, loss_scale)`` builds the optimizer from
+      ``optax.adam(lr)`` and ``loss_scale`` instead of the default
+      ``loss_scaled`` (+ ``master_weights``); it must contain a
+      ``loss_scaled``. See :func:`low_precision_optimizer`.
 
   Returns:
     A :class:`TrainResult`.
+
+  Raises:
+    ValueError: if both ``master`` and ``optimizer`` are given.
   """
-  opt = jmp_lite.loss_scaled(optax.adam(lr), loss_scale,
-                             allow_half_state=not master)
-  if master:
-    opt = jmp_lite.master_weights(opt)
+  if optimizer is not None:
+    if master:
+      raise ValueError("Pass either master=True or optimizer=, not both")
+    opt = optimizer(optax.adam(lr), loss_scale)
+  else:
+    opt = jmp_lite.loss_scaled(optax.adam(lr), loss_scale,
+                               allow_half_state=not master)
+    if master:
+      opt = jmp_lite.master_weights(opt)
   state = opt.init(params)
 
   @jax.jit
@@ -125,6 +143,50 @@ def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],
       activation_bytes=activation_bytes)
 
 
+def low_precision_optimizer(compensation: str | None, moments: Any = None,
+                            *, rounding: str = "nearest",
+                            seed: int = 0) -> OptimizerBuilder:
+  """An :data:`OptimizerBuilder` for pure half-precision params.
+
+  Builds ``compensation(state_dtypes(loss_scaled(adam, loss_scale),
+  moments))``: Adam computes in float32 with its moments stored in
+  ``moments``, and its updates are applied with Kahan summation or
+  stochastic rounding (or plainly, to nearest, for ``None``).
+
+  Args:
+    compensation: ``"kahan"``, ``"stochastic"`` or ``None``.
+    moments: the moments' storage dtype; ``None`` keeps Adam's own (the
+      params' dtype, computed in it) and skips ``state_dtypes``.
+    rounding: ``state_dtypes``' rounding of the moments.
+    seed: the stochastic rounding seed.
+
+  Returns:
+    The builder.
+
+  Raises:
+    ValueError: for an unknown ``compensation``.
+  """
+  if compensation not in ("kahan", "stochastic", None):
+    raise ValueError(
+        "compensation must be 'kahan', 'stochastic' or None, got"
+        f" {compensation!r}")
+
+  def build(adam: optax.GradientTransformation,
+            loss_scale: jmp_lite.LossScale) -> optax.GradientTransformation:
+    opt = jmp_lite.loss_scaled(adam, loss_scale,
+                               allow_half_state=moments is None)
+    if moments is not None:
+      opt = jmp_lite.state_dtypes(opt, moments, rounding=rounding,
+                                  seed=seed + 1)
+    if compensation == "kahan":
+      opt = jmp_lite.kahan_summation(opt)
+    elif compensation == "stochastic":
+      opt = jmp_lite.stochastic_rounding(opt, seed=seed)
+    return opt
+
+  return build
+
+
 def load_digits_split(seed: int = 0):
   """scikit-learn's digits, scaled to [0, 1], split 80/20.
 
@@ -146,7 +208,8 @@ def load_digits_split(seed: int = 0):
 
 def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
                  master: bool = False, batch: int = 128, width: int = 128,
-                 lr: float = 3e-3, seed: int = 0) -> TrainResult:
+                 lr: float = 3e-3, seed: int = 0,
+                 optimizer: OptimizerBuilder | None = None) -> TrainResult:
   """Trains an MLP on the digits under ``policy``.
 
   Args:
@@ -159,6 +222,7 @@ def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
     width: hidden width.
     lr: Adam's learning rate.
     seed: init and data-order seed.
+    optimizer: as for :func:`fit`.
 
   Returns:
     A :class:`TrainResult`.
@@ -200,7 +264,8 @@ def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
     return loss, jnp.mean(jnp.argmax(logits, -1) == y_te)
 
   return fit(params, loss_fn, batches, eval_fn=evaluate, lr=lr,
-             loss_scale=loss_scale, master=master, steps=steps)
+             loss_scale=loss_scale, master=master, steps=steps,
+             optimizer=optimizer)
 
 
 def python_docs_text(n_chars: int = 20_000) -> str:
@@ -218,8 +283,8 @@ def python_docs_text(n_chars: int = 20_000) -> str:
 
 def train_char_lm(policy: Any, loss_scale: Any = None, *, steps: int = 300,
                   master: bool = False, seq: int = 32, batch: int = 32,
-                  dim: int = 64, lr: float = 3e-3, seed: int = 0
-                  ) -> TrainResult:
+                  dim: int = 64, lr: float = 3e-3, seed: int = 0,
+                  optimizer: OptimizerBuilder | None = None) -> TrainResult:
   """Trains a one-block character Transformer on Python's documentation.
 
   The last 15% of the text is held out for the evaluation loss.
@@ -234,6 +299,7 @@ def train_char_lm(policy: Any, loss_scale: Any = None, *, steps: int = 300,
     dim: model width.
     lr: Adam's learning rate.
     seed: init and sampling seed.
+    optimizer: as for :func:`fit`.
 
   Returns:
     A :class:`TrainResult` (accuracy: next-character accuracy).
@@ -300,4 +366,5 @@ def train_char_lm(policy: Any, loss_scale: Any = None, *, steps: int = 300,
     return loss, jnp.mean(jnp.argmax(logits, -1) == test_batch[:, 1:])
 
   return fit(params, loss_fn, batches, eval_fn=evaluate, lr=lr,
-             loss_scale=loss_scale, master=master, steps=steps)
+             loss_scale=loss_scale, master=master, steps=steps,
+             optimizer=optimizer)

@@ -5,7 +5,13 @@
 | ``O0`` | float32 | float32 | plain | O0 | (AMP off) | no autocast |
 | ``O1`` | float32 | half for Dense/Conv/Einsum/attention layers, float32 elsewhere | loss scaling if float16 | O1 | O1 | ``autocast`` (per layer; per op is ``jmp_lite.autocast``) |
 | ``O2`` | half (norms float32) | half (norms float32) | float32 master weights + loss scaling if float16 | O2 | O2 | ``model.half()`` + master weights |
-| ``O3`` | half | half | pure half (half moments) | O3 | pure fp16 | ``model.half()`` |
+| ``O3`` | half | half | half params + Kahan compensation, half moments computed in float32 | O3 | pure fp16 | ``model.half()`` |
+
+Bytes per parameter of params + optimizer state with Adam: ``O0``/``O1`` 12
+(4 + 8), ``O2`` 14 (2 + 4 master + 8), ``O3`` 8 (2 + 2 compensation + 2 + 2
+moments), ``O3`` with ``compensation="stochastic"`` 6, and the old pure half
+``O3`` (``compensation=None``) 6 but it stops learning once updates fall
+below half an ulp.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import optax
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.linen import MixedPrecision, Rule, mixed_precision
 from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jmp_lite.low_precision import (kahan_summation, state_dtypes,
+                                    stochastic_rounding)
 from jmp_lite.master import master_weights
 from jmp_lite.policy import Policy
 from jmp_lite.transforms import loss_scaled
@@ -31,6 +39,7 @@ MATMUL_LAYERS: tuple[type, ...] = (
 """The matmul/convolution-heavy layers ``O1`` runs in half precision."""
 
 LEVELS = ("O0", "O1", "O2", "O3")
+COMPENSATIONS = ("kahan", "stochastic", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,10 @@ class Preset:
     float32_norms: whether normalisation layers stay float32.
     master: whether the optimizer keeps float32 master weights.
     half: the half dtype used.
+    compensation: ``O3`` only: how half-precision params take their
+      updates, ``"kahan"`` (:func:`~jmp_lite.kahan_summation`),
+      ``"stochastic"`` (:func:`~jmp_lite.stochastic_rounding`) or ``None``
+      (plain rounding to nearest, with moments computed in half precision).
   """
 
   name: str
@@ -52,6 +65,7 @@ class Preset:
   float32_norms: bool
   master: bool
   half: np.dtype
+  compensation: str | None = None
 
   def wrap(self, module: nn.Module, *, rules: Sequence[Any] = (),
            strict: bool = False, enabled: bool = True) -> MixedPrecision:
@@ -97,41 +111,68 @@ class Preset:
     dtype = np.dtype(jnp.float32) if self.name == "O0" else self.half
     return autocast(fn, dtype, **options)
 
-  def optimizer(self, inner: optax.GradientTransformation
+  def optimizer(self, inner: optax.GradientTransformation, *, seed: int = 0
                 ) -> optax.GradientTransformation:
     """Wraps ``inner`` as this preset needs.
 
     ``O0``/``O1``: ``loss_scaled(inner)``; ``O2``:
-    ``master_weights(loss_scaled(inner))``; ``O3``: ``loss_scaled(inner,
-    allow_half_state=True)`` (pure half: moments in half precision too).
-    With ``O3`` in float16, every constant of ``inner`` must survive float16:
-    Adam's default ``eps=1e-8`` rounds to 0 and turns tiny second moments
-    into infinite updates, so pass ``eps=1e-4`` or so.
+    ``master_weights(loss_scaled(inner))``. ``O3`` (default
+    ``compensation="kahan"``)::
+
+        kahan_summation(state_dtypes(loss_scaled(inner), half))
+
+    ``inner`` computes in float32 (unscaling float32 gradients), its state
+    arrays are stored in the half dtype, and the params take their updates
+    with Kahan compensation: 8 bytes per parameter with Adam (2 param, 2
+    compensation, 2 + 2 moments). ``compensation="stochastic"`` puts
+    ``stochastic_rounding(..., seed=seed)`` in place of Kahan: 6 bytes per
+    parameter. ``compensation=None`` is the old pure half recipe,
+    ``loss_scaled(inner, allow_half_state=True)`` with moments computed in
+    half precision (6 bytes; small updates round away), and with float16
+    every constant of ``inner`` must survive float16: Adam's ``eps=1e-8``
+    rounds to 0, so pass ``eps=1e-4`` or so.
 
     Args:
       inner: the optimizer.
+      seed: the stochastic rounding seed (``compensation="stochastic"``).
 
     Returns:
       The wrapped optimizer.
     """
+    if self.name == "O3" and self.compensation is not None:
+      stored = state_dtypes(loss_scaled(inner, self.loss_scale()), self.half)
+      if self.compensation == "kahan":
+        return kahan_summation(stored)
+      return stochastic_rounding(stored, seed=seed)
     wrapped = loss_scaled(inner, self.loss_scale(),
                           allow_half_state=self.name == "O3")
     return master_weights(wrapped) if self.master else wrapped
 
 
-def preset(level: str, half: Any = None) -> Preset:
+def preset(level: str, half: Any = None, *,
+           compensation: str | None = "auto") -> Preset:
   """Returns the named preset.
+
+  ``O3`` keeps params in the half dtype and, by default, trains them with
+  Kahan compensation and half-precision Adam moments computed in float32
+  (see :meth:`Preset.optimizer`): 8 bytes per parameter against ``O2``'s
+  14, at float32's accuracy on the fidelity tasks (``docs/low_precision.md``).
 
   Args:
     level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (case-insensitive).
     half: the half dtype; defaults to :func:`~jmp_lite.half_dtype` (bfloat16
       on TPUs and recent GPUs, float16 elsewhere).
+    compensation: ``O3`` only: ``"kahan"`` (8 bytes per parameter with
+      Adam), ``"stochastic"`` (6 bytes) or ``None`` (plain pure half, 6
+      bytes, loses small updates). ``"auto"``: ``"kahan"`` for ``O3``,
+      ``None`` for the others.
 
   Returns:
     A :class:`Preset`.
 
   Raises:
-    ValueError: for an unknown level.
+    ValueError: for an unknown level or compensation, or a compensation
+      with a level other than ``O3``.
     TypeError: for a ``half`` that is not float16 or bfloat16.
 
   Example:
@@ -139,10 +180,22 @@ def preset(level: str, half: Any = None) -> Preset:
     >>> p = jmp_lite.presets.preset("O2", half="bf16")
     >>> str(p.policy), p.master
     ('p=bf16,c=bf16,o=f32', True)
+    >>> jmp_lite.presets.preset("O3", half="bf16").compensation
+    'kahan'
   """
   name = str(level).strip().upper()
   if name not in LEVELS:
     raise ValueError(f"Unknown preset {level!r}; expected one of {LEVELS}")
+  if compensation == "auto":
+    compensation = "kahan" if name == "O3" else None
+  if compensation not in COMPENSATIONS:
+    raise ValueError(
+        f"Unknown compensation {compensation!r}; expected one of"
+        f" {COMPENSATIONS} or 'auto'")
+  if compensation is not None and name != "O3":
+    raise ValueError(
+        f"compensation={compensation!r} applies to half-precision params"
+        f" without master weights, i.e. preset 'O3', not {name!r}")
   half = _dtypes.half_dtype() if half is None else _dtypes.to_floating_dtype(
       half, "half")
   if half not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
@@ -155,4 +208,5 @@ def preset(level: str, half: Any = None) -> Preset:
     return Preset(name, Policy(f32, f32, f32), rules, True, False, half)
   if name == "O2":
     return Preset(name, Policy(half, half, f32), (), True, True, half)
-  return Preset(name, Policy(half, half, half), (), False, False, half)
+  return Preset(name, Policy(half, half, half), (), False, False, half,
+                compensation)
