@@ -19,7 +19,7 @@ import optax
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
-from jmp_lite.finite import all_finite, select_tree, skip_updates
+from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 
 
 @struct.dataclass
@@ -96,9 +96,11 @@ def accumulate_gradients(
     return x.astype(dtype) if _dtypes.is_floating_array(x) else x
 
   def init(params: Any) -> AccumulateState:
+    # Non-floating leaves are carried as copies: a state leaf must never be a
+    # param's own buffer, which a donated step would donate twice.
     acc = jax.tree.map(
         lambda p: jnp.zeros(jnp.shape(p), dtype)
-        if _dtypes.is_floating_array(p) else p, params)
+        if _dtypes.is_floating_array(p) else copy_arrays(p), params)
     return AccumulateState(
         acc=acc, mini_step=jnp.zeros((), jnp.int32),
         poisoned=jnp.zeros((), jnp.bool_), inner_state=inner.init(params))

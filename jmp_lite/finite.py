@@ -114,6 +114,39 @@ def skip_updates(apply: jax.Array, updates: T) -> T:
   return jax.tree.map(pick, updates)
 
 
+def copy_arrays(tree: T) -> T:
+  """Returns ``tree`` with every array leaf replaced by a copy of it.
+
+  An optimizer state must not share a buffer with the params (or with
+  another state): a train step jitted with ``donate_argnums`` for both would
+  donate that buffer twice and fail. ``init`` functions that keep a leaf as
+  given (a float32 master copy of float32 params, a loss-scale state built
+  from JAX arrays) pass it through this. JAX arrays stay JAX arrays (with
+  their sharding), numpy stays numpy; typed PRNG keys are copied too; other
+  leaves are returned as they are.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    The same structure with fresh array leaves.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> w = jnp.ones(2)
+    >>> jmp_lite.finite.copy_arrays({"w": w})["w"] is w
+    False
+  """
+  def copy(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+      return jnp.array(x, copy=True)
+    if isinstance(x, np.ndarray):
+      return x.copy()
+    return x
+
+  return jax.tree.map(copy, tree)
+
+
 def select_tree(pred: Any, a: T, b: T) -> T:
   """Returns ``a`` where ``pred`` is true, else ``b``, leaf by leaf.
 

@@ -9,7 +9,7 @@ transformation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ import optax
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
+from jmp_lite.finite import copy_arrays
 
 
 @struct.dataclass
@@ -25,9 +26,14 @@ class MasterWeightsState:
   """State of :func:`master_weights`.
 
   Attributes:
-    master: the params in the master dtype (non-floating leaves as given).
+    master: the params in the master dtype (non-floating leaves copied as
+      given); never the params' own buffers.
     inner_state: the wrapped optimizer's state, built from ``master``.
   """
+
+  # Gradients reach the inner optimizer exactly cast (finite exactly when they
+  # were): jmp_lite.update_and_apply may decide a guard inside it up front.
+  forwards_gradients: ClassVar[bool] = True
 
   master: Any
   inner_state: Any
@@ -53,7 +59,11 @@ def _param_update(new_master: Any, update: Any, param: Any) -> Any:
   # lands exactly on the cast master value.
   wide = jnp.promote_types(param.dtype, jnp.float32)
   target = new_master.astype(param.dtype).astype(wide)
-  return target - jnp.asarray(param).astype(wide)
+  current = jnp.asarray(param).astype(wide)
+  # -0.0 where nothing moves (a skipped step): p + -0.0 is p bit for bit,
+  # -0.0 params included, whereas target - p would be +0.0.
+  return jnp.where(target != current, target - current,
+                   jnp.asarray(-0.0, wide))
 
 
 def master_weights(
@@ -103,7 +113,14 @@ def master_weights(
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
   def init(params: Any) -> MasterWeightsState:
-    master = _dtypes.cast_floating(params, dtype)
+    def to_master(p: Any) -> Any:
+      if _dtypes.is_floating_array(p) and p.dtype != dtype:
+        return p.astype(dtype)
+      # Already in the master dtype (or not floating): a copy, never the
+      # param's own buffer, which a donated step would donate twice.
+      return copy_arrays(p)
+
+    master = jax.tree.map(to_master, params)
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
   def update(grads: Any, state: MasterWeightsState, params: Any = None,

@@ -1,14 +1,34 @@
 """optax transformations: skip non-finite updates and keep a loss scale.
 
-Both transformations decide *without branching*: the inner optimizer always
-runs, and ``lax.select`` keeps its previous state when the gradients were not
-finite. On GPU and TPU XLA fuses that select into the optimizer's own
-elementwise kernels, so a skip costs no extra pass; a ``lax.cond`` (as in
-``optax.apply_if_finite``) would stop that fusion.
+:func:`skip_nonfinite` and :func:`loss_scaled` ("guards") check the incoming
+gradients once, run the inner optimizer, and on a non-finite step hand on
+``-0.0`` updates and the inner state bit for bit unchanged. How the skip is
+compiled is the guard's ``skip_with`` option:
+
+* ``"cond"``: one ``lax.cond`` around "unscale, inner update"; nothing of the
+  inner optimizer runs on a skipped step, and its state never passes through
+  a select. On XLA:CPU this is what lets a donated train step update the
+  optimizer's moments in place (a select there forces copies of every
+  moment). :func:`jmp_lite.update_and_apply` goes further and puts the
+  parameter update inside the same branch.
+* ``"select"``: the inner optimizer always runs and ``lax.select`` keeps the
+  previous state when the step is skipped: branch-free, no predicate for the
+  host to read. Used whenever the decision is not known before the inner
+  update runs (``check_updates``, a loss scale that may drop below 1).
+* ``"auto"`` (default): ``"cond"`` on the CPU, where it is measured cheaper
+  (``benchmarks/loss_scaling_overhead.py``); ``"select"`` on GPU and TPU,
+  where XLA fuses the select into the optimizer's own kernels and a
+  conditional may cost a predicate transfer (unmeasured here: run
+  ``benchmarks/gpu_step.py`` on your accelerator and pass ``skip_with=``
+  the faster one).
+
+Both formulations give bit-identical results.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -16,16 +36,85 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
-from jmp_lite.finite import all_finite, select_tree, skip_updates
+from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
                                  StaticLossScale)
 from jmp_lite.master import half_precision_leaves
 from jmp_lite.policy import Policy
 
+SKIP_WITH = ("auto", "cond", "select")
+
 
 class NonFiniteHaltError(RuntimeError):
   """Raised by :func:`raise_if_halted` once a skip budget has run out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+  """A guard's static configuration, kept in its state's tree structure.
+
+  :func:`jmp_lite.update_and_apply` reads it to decide a step itself.
+
+  Attributes:
+    axis_name: the mapped axis every device agrees over, or ``None``.
+    skip_with: ``"auto"``, ``"cond"`` or ``"select"``, as requested.
+    check_updates: whether non-finite *updates* skip the step too.
+    may_amplify: whether the loss scale may drop below 1, so that unscaling
+      can overflow gradients that were finite.
+  """
+
+  axis_name: Any = None
+  skip_with: str = "auto"
+  check_updates: bool = False
+  may_amplify: bool = False
+
+  def formulation(self) -> tuple[str, str]:
+    """Returns ``("cond" | "select", why)`` for the current backend.
+
+    Returns:
+      The formulation a step with this guard compiles to, and the reason.
+
+    Example:
+      >>> from jmp_lite.transforms import GuardConfig
+      >>> GuardConfig(check_updates=True).formulation()[0]
+      'select'
+    """
+    if self.check_updates:
+      return "select", ("check_updates=True: the decision needs the updates,"
+                        " which exist only after the inner update ran")
+    if self.may_amplify:
+      return "select", ("the loss scale may drop below 1: unscaling can"
+                        " overflow, so the unscaled gradients are checked too")
+    if self.skip_with == "select":
+      return "select", "skip_with='select'"
+    if self.skip_with == "cond":
+      return "cond", "skip_with='cond'"
+    backend = jax.default_backend()
+    if backend == "cpu":
+      return "cond", "skip_with='auto' on the CPU (measured cheaper there)"
+    return "select", (f"skip_with='auto' on {backend} (fuses into the"
+                      " optimizer's kernels; measure with"
+                      " benchmarks/gpu_step.py)")
+
+
+def _check_skip_with(skip_with: Any) -> str:
+  if skip_with not in SKIP_WITH:
+    raise ValueError(
+        f"skip_with must be one of {SKIP_WITH}, got {skip_with!r}")
+  return skip_with
+
+
+def _check_axis_name(axis_name: Any) -> Any:
+  try:
+    hash(axis_name)
+  except TypeError:
+    raise TypeError(
+        "axis_name must be None, a str or a tuple of str (a hashable mapped"
+        f" axis name), got {type(axis_name).__name__}: {axis_name!r}"
+    ) from None
+  return axis_name
 
 
 @struct.dataclass
@@ -38,6 +127,7 @@ class SkipNonfiniteState:
     consecutive_skips: skipped steps since the last applied one (int32).
     last_finite: whether the last step's gradients were finite (bool).
     halted: whether ``max_consecutive_skips`` ran out; sticky (bool).
+    config: the static :class:`GuardConfig`.
   """
 
   inner_state: Any
@@ -45,6 +135,7 @@ class SkipNonfiniteState:
   consecutive_skips: Any
   last_finite: Any
   halted: Any
+  config: GuardConfig = struct.field(static=True, default=GuardConfig())
 
 
 @struct.dataclass
@@ -62,6 +153,7 @@ class LossScaledState:
     nonfinite: with ``track_nonfinite=True``, the last step's per-leaf counts
       of non-finite gradient elements (see ``jmp_lite.nonfinite_paths``);
       otherwise ``None``.
+    config: the static :class:`GuardConfig`.
   """
 
   inner_state: Any
@@ -71,6 +163,54 @@ class LossScaledState:
   last_finite: Any
   name: str | None = struct.field(static=True, default=None)
   nonfinite: Any = None
+  config: GuardConfig = struct.field(static=True, default=GuardConfig())
+
+
+GUARD_STATES = (SkipNonfiniteState, LossScaledState)
+
+
+@struct.dataclass
+class Decided:
+  """A guard's state, marked with a decision taken outside the guard.
+
+  :func:`jmp_lite.update_and_apply` computes the step's finiteness once,
+  branches on it with ``lax.cond``, and hands each branch the optimizer
+  state with the guard's state wrapped in this marker: the guard then applies
+  (``apply=True``) or skips (``apply=False``) without checking again. The
+  guard returns its new state wrapped alike, so that wrappers which rebuild
+  their inner state's tree structure see one structure in and out;
+  :func:`strip_decided` removes the markers. Never part of a state a user
+  holds.
+
+  Attributes:
+    state: the guard's state.
+    finite: whether the step's gradients were finite (bool scalar).
+    apply: the branch's decision (static).
+  """
+
+  state: Any
+  finite: Any
+  apply: bool = struct.field(static=True, default=True)
+
+
+def strip_decided(tree: Any) -> Any:
+  """Replaces every :class:`Decided` marker in ``tree`` by its state.
+
+  Args:
+    tree: an optimizer state.
+
+  Returns:
+    The state without markers.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.transforms import Decided, strip_decided
+    >>> strip_decided((Decided("s", jnp.array(True)),))
+    ('s',)
+  """
+  return jax.tree.map(
+      lambda n: n.state if isinstance(n, Decided) else n, tree,
+      is_leaf=lambda n: isinstance(n, Decided))
 
 
 class _Counters(NamedTuple):
@@ -90,32 +230,129 @@ def _count(finite: jax.Array, total: Any, consecutive: Any) -> _Counters:
   )
 
 
-def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+def reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
   """Makes ``finite`` agree on every device of ``axis_name``.
 
   One device's overflow must make every device skip and back off alike, or
   replicated params and scales drift apart.
+
+  Args:
+    finite: a bool scalar.
+    axis_name: a mapped axis name, or ``None`` (then ``finite`` is returned).
+
+  Returns:
+    The bool scalar, true only where it is true on every device.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.transforms import reduce_finite
+    >>> bool(reduce_finite(jnp.array(True), None))
+    True
   """
   if axis_name is None:
     return finite
   return jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
 
 
-def _guarded_update(inner: optax.GradientTransformation, updates: Any,
-                    inner_state: Any, params: Any, apply: jax.Array,
-                    extra: dict[str, Any], check_updates: bool = False,
-                    axis_name: Any = None) -> tuple[Any, Any, jax.Array]:
-  """Runs ``inner`` and keeps its result only where ``apply``.
+def _same_avals(shapes: Any, tree: Any) -> bool:
+  s_leaves, s_def = jax.tree.flatten(shapes)
+  t_leaves, t_def = jax.tree.flatten(tree)
+  if s_def != t_def:
+    return False
+  return all(
+      hasattr(t, "dtype") and tuple(s.shape) == tuple(jnp.shape(t))
+      and s.dtype == t.dtype for s, t in zip(s_leaves, t_leaves))
 
-  With ``check_updates``, a step whose updates came out non-finite is not
-  applied either. Returns ``(updates, inner_state, applied)``.
+
+def _minus_zero(shape: Any) -> Any:
+  dtype = shape.dtype
+  if dtype == jax.dtypes.float0:
+    return np.zeros(shape.shape, dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.full(shape.shape, -0.0, dtype)
+  return jnp.zeros(shape.shape, dtype)
+
+
+def skipped_updates(inner: optax.GradientTransformation, grads: Any,
+                    inner_state: Any, params: Any,
+                    extra: dict[str, Any]) -> Any:
+  """The updates a skipped step hands on: ``-0.0`` shaped like ``inner``'s.
+
+  ``inner`` is only traced abstractly (``jax.eval_shape``), never run.
+
+  Args:
+    inner: the guarded optimizer.
+    grads: the gradients it would get.
+    inner_state: its state.
+    params: the params.
+    extra: its extra keyword arguments.
+
+  Returns:
+    ``-0.0`` in every inexact leaf (``x + -0.0`` is ``x`` bit for bit),
+    zeros elsewhere.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from jmp_lite.transforms import skipped_updates
+    >>> opt = optax.sgd(0.1)
+    >>> p = jnp.ones(2)
+    >>> skipped_updates(opt, p, opt.init(p), p, {})
+    Array([-0., -0.], dtype=float32)
   """
-  new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
+  shapes = jax.eval_shape(
+      lambda: inner.update(grads, inner_state, params, **extra)[0])
+  if _same_avals(shapes, grads):
+    # Built from the gradients, so that the result carries their sharding.
+    return skip_updates(False, grads)
+  return jax.tree.map(_minus_zero, shapes)
+
+
+def _guarded_update(inner: optax.GradientTransformation, grads: Any,
+                    inner_state: Any, params: Any, apply: jax.Array,
+                    extra: dict[str, Any], *, prepare: Any = None,
+                    check_updates: bool = False, axis_name: Any = None,
+                    branch: bool = False) -> tuple[Any, Any, jax.Array]:
+  """Runs ``inner`` on ``prepare(grads)`` and keeps its result only where ``apply``.
+
+  With ``branch``, one ``lax.cond``: ``prepare`` (the unscale) and ``inner``
+  run only inside the taken branch, so neither the prepared gradients nor a
+  select of the inner state is materialised. Otherwise ``inner`` always runs
+  and its result is selected; with ``check_updates`` a step whose updates
+  came out non-finite is not applied either. Returns
+  ``(updates, inner_state, applied)``.
+  """
+  if prepare is None:
+    prepare = lambda g: g  # noqa: E731
+  if branch:
+    def taken() -> tuple[Any, Any]:
+      return inner.update(prepare(grads), inner_state, params, **extra)
+
+    def skipped() -> tuple[Any, Any]:
+      return (skipped_updates(inner, grads, inner_state, params, extra),
+              inner_state)
+
+    new_updates, new_inner = jax.lax.cond(apply, taken, skipped)
+    return new_updates, new_inner, apply
+  new_updates, new_inner = inner.update(prepare(grads), inner_state, params,
+                                        **extra)
   if check_updates:
-    apply = apply & _reduce_finite(all_finite(new_updates), axis_name)
+    apply = apply & reduce_finite(all_finite(new_updates), axis_name)
   new_updates = skip_updates(apply, new_updates)
   new_inner = select_tree(apply, new_inner, inner_state)
   return new_updates, new_inner, apply
+
+
+def _decided_update(inner: optax.GradientTransformation, grads: Any,
+                    inner_state: Any, params: Any, decision: Decided,
+                    extra: dict[str, Any], prepare: Any = None
+                    ) -> tuple[Any, Any, jax.Array]:
+  """The guard's part of a step decided outside it (no check, no select)."""
+  if decision.apply:
+    g = grads if prepare is None else prepare(grads)
+    new_updates, new_inner = inner.update(g, inner_state, params, **extra)
+    return new_updates, new_inner, jnp.ones((), jnp.bool_)
+  return (skipped_updates(inner, grads, inner_state, params, extra),
+          inner_state, jnp.zeros((), jnp.bool_))
 
 
 def _check_transformation(inner: Any) -> None:
@@ -132,6 +369,7 @@ def skip_nonfinite(
     *,
     max_consecutive_skips: int | None = None,
     axis_name: Any = None,
+    skip_with: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that steps with non-finite gradients change nothing.
 
@@ -139,8 +377,8 @@ def skip_nonfinite(
   returns zero updates (``-0.0``, so that ``optax.apply_updates`` leaves every
   param bit for bit as it was, ``-0.0`` included) and the inner state **bit for
   bit unchanged**: Adam's
-  count and moments, schedules, EMAs, everything. The decision is branch-free
-  and needs no host sync.
+  count and moments, schedules, EMAs, everything. The decision needs no host
+  sync; ``skip_with`` picks how it is compiled (see the module docstring).
 
   ``max_consecutive_skips=N`` (opt-in) *halts* training after the N-th
   consecutive skip: ``state.halted`` becomes true and stays true, and from then
@@ -155,15 +393,17 @@ def skip_nonfinite(
     axis_name: the mapped axis name under ``shard_map``/``pmap``; all devices
       then skip together when any device's shard is non-finite. Not needed
       under ``jax.jit`` with sharded arrays, where the check is global.
+    skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
+      is compiled; results are bit-identical.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`SkipNonfiniteState`.
 
   Raises:
-    TypeError: if ``inner`` is not a gradient transformation or
-      ``max_consecutive_skips`` is not an int.
-    ValueError: if ``max_consecutive_skips`` < 1.
+    TypeError: if ``inner`` is not a gradient transformation,
+      ``max_consecutive_skips`` is not an int or ``axis_name`` not hashable.
+    ValueError: if ``max_consecutive_skips`` < 1 or ``skip_with`` is unknown.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -186,6 +426,8 @@ def skip_nonfinite(
       raise ValueError(
           f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}"
       )
+  config = GuardConfig(axis_name=_check_axis_name(axis_name),
+                       skip_with=_check_skip_with(skip_with))
 
   def init(params: Any) -> SkipNonfiniteState:
     return SkipNonfiniteState(
@@ -194,25 +436,39 @@ def skip_nonfinite(
         consecutive_skips=jnp.zeros((), jnp.int32),
         last_finite=jnp.ones((), jnp.bool_),
         halted=jnp.zeros((), jnp.bool_),
+        config=config,
     )
 
-  def update(updates: Any, state: SkipNonfiniteState, params: Any = None,
-             **extra: Any) -> tuple[Any, SkipNonfiniteState]:
-    finite = _reduce_finite(all_finite(updates), axis_name)
+  def update(updates: Any, state: SkipNonfiniteState | Decided,
+             params: Any = None,
+             **extra: Any) -> tuple[Any, SkipNonfiniteState | Decided]:
+    decision = state if isinstance(state, Decided) else None
+    if decision is not None:
+      state = decision.state
+      finite = decision.finite
+      new_updates, new_inner, apply = _decided_update(
+          inner, updates, state.inner_state, params, decision, extra)
+    else:
+      finite = reduce_finite(all_finite(updates), axis_name)
+      apply = finite & ~jnp.asarray(state.halted, jnp.bool_)
+      new_updates, new_inner, _ = _guarded_update(
+          inner, updates, state.inner_state, params, apply, extra,
+          branch=config.formulation()[0] == "cond")
     halted = jnp.asarray(state.halted, jnp.bool_)
-    apply = finite & ~halted
-    new_updates, new_inner, _ = _guarded_update(
-        inner, updates, state.inner_state, params, apply, extra)
     counts = _count(apply, state.total_skips, state.consecutive_skips)
     if max_consecutive_skips is not None:
       halted = halted | (counts.consecutive_skips >= max_consecutive_skips)
-    return new_updates, SkipNonfiniteState(
+    new_state = SkipNonfiniteState(
         inner_state=new_inner,
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
-        last_finite=finite,
+        last_finite=jnp.asarray(finite, jnp.bool_),
         halted=halted,
+        config=config,
     )
+    if decision is not None:
+      return new_updates, struct.replace(decision, state=new_state)
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -258,6 +514,7 @@ def loss_scaled(
     allow_half_state: bool = False,
     track_nonfinite: bool = False,
     check_updates: bool | None = None,
+    skip_with: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
 
@@ -289,16 +546,20 @@ def loss_scaled(
       overflow on its own (Adam's ``eps=1e-8`` is 0 in float16). Costs one
       read of the updates. ``None`` (default) turns it on exactly when
       ``allow_half_state`` is true.
+    skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
+      is compiled (see the module docstring); results are bit-identical.
+      ``check_updates`` and a scale that may drop below 1 always select.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaledState`.
 
   Raises:
-    TypeError: if ``inner`` is not a gradient transformation or
-      ``loss_scale`` is not a loss scale or policy; from ``init``, if the
-      inner state holds half-precision leaves and ``allow_half_state`` is
-      false.
+    TypeError: if ``inner`` is not a gradient transformation,
+      ``loss_scale`` is not a loss scale or policy, or ``axis_name`` is not
+      hashable; from ``init``, if the inner state holds half-precision leaves
+      and ``allow_half_state`` is false.
+    ValueError: if ``skip_with`` is unknown.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
@@ -327,6 +588,10 @@ def loss_scaled(
   check_unscaled = _may_amplify(loss_scale)
   if check_updates is None:
     check_updates = allow_half_state
+  config = GuardConfig(axis_name=_check_axis_name(axis_name),
+                       skip_with=_check_skip_with(skip_with),
+                       check_updates=bool(check_updates),
+                       may_amplify=check_unscaled)
 
   def tracked(grads: Any) -> Any:
     if not track_nonfinite:
@@ -348,31 +613,52 @@ def loss_scaled(
       )
     return LossScaledState(
         inner_state=inner_state,
-        loss_scale=initial_scale,
+        # A copy: a donated step must not find one buffer in two states.
+        loss_scale=copy_arrays(initial_scale),
         total_skips=jnp.zeros((), jnp.int32),
         consecutive_skips=jnp.zeros((), jnp.int32),
         last_finite=jnp.ones((), jnp.bool_),
         name=name,
         nonfinite=tracked(params),
+        config=config,
     )
 
-  def update(grads: Any, state: LossScaledState, params: Any = None,
-             **extra: Any) -> tuple[Any, LossScaledState]:
+  def update(grads: Any, state: LossScaledState | Decided, params: Any = None,
+             **extra: Any) -> tuple[Any, LossScaledState | Decided]:
+    decision = state if isinstance(state, Decided) else None
+    if decision is not None:
+      state = decision.state
     scale = state.loss_scale
-    # Checking the incoming (scaled) gradients lets XLA fuse the unscale into
-    # the optimizer's kernels instead of materialising it for the reduction.
-    # Unscaling by 1/scale <= 1 cannot overflow, so this is exact unless the
-    # scale may drop below 1; then the unscaled gradients are checked too.
-    finite = all_finite(grads)
-    grads = scale.unscale(grads)
-    if check_unscaled:
-      finite = finite & all_finite(grads)
-    finite = _reduce_finite(finite, axis_name)
-    new_updates, new_inner, apply = _guarded_update(
-        inner, grads, state.inner_state, params, finite, extra,
-        check_updates, axis_name)
+    if decision is not None:
+      # Decided by update_and_apply from these very gradients.
+      new_updates, new_inner, apply = _decided_update(
+          inner, grads, state.inner_state, params, decision, extra,
+          prepare=scale.unscale)
+      finite = apply
+      counted = grads
+    elif config.formulation()[0] == "cond":
+      # Checking the incoming (scaled) gradients, and unscaling inside the
+      # branch, lets XLA fuse the unscale into the optimizer's kernels.
+      # Unscaling by 1/scale <= 1 cannot overflow (may_amplify is false).
+      finite = reduce_finite(all_finite(grads), axis_name)
+      new_updates, new_inner, apply = _guarded_update(
+          inner, grads, state.inner_state, params, finite, extra,
+          prepare=scale.unscale, branch=True)
+      counted = grads
+    else:
+      # The scaled gradients are checked for the same reason; a scale that
+      # may drop below 1 needs the unscaled ones checked too.
+      finite = all_finite(grads)
+      grads = scale.unscale(grads)
+      if check_unscaled:
+        finite = finite & all_finite(grads)
+      finite = reduce_finite(finite, axis_name)
+      new_updates, new_inner, apply = _guarded_update(
+          inner, grads, state.inner_state, params, finite, extra,
+          check_updates=check_updates, axis_name=axis_name)
+      counted = grads
     counts = _count(apply, state.total_skips, state.consecutive_skips)
-    return new_updates, LossScaledState(
+    new_state = LossScaledState(
         inner_state=new_inner,
         # The scale answers to the gradients only: an update that overflows
         # inside the optimizer is not the loss scale's doing.
@@ -381,8 +667,20 @@ def loss_scaled(
         consecutive_skips=counts.consecutive_skips,
         last_finite=apply,
         name=state.name,
-        nonfinite=tracked(grads),
+        nonfinite=_tracked_after(decision, counted),
+        config=config,
     )
+    if decision is not None:
+      return new_updates, struct.replace(decision, state=new_state)
+    return new_updates, new_state
+
+  def _tracked_after(decision: Decided | None, grads: Any) -> Any:
+    if track_nonfinite and decision is not None and decision.apply:
+      # Finite by decision: the counts are zeros, no need to read them.
+      return jax.tree.map(
+          lambda x: jnp.zeros((), jnp.int32)
+          if _dtypes.is_inexact_array(x) else None, grads)
+    return tracked(grads)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -406,7 +704,9 @@ def loss_scaled_state(opt_state: Any,
   Finds it anywhere: inside ``optax.chain``, ``optax.MultiSteps``,
   ``optax.inject_hyperparams``, ``optax.multi_transform``, ``master_weights``
   or any other pytree of states. Its counters (``total_skips``,
-  ``last_finite``, ...) are what a training loop logs.
+  ``last_finite``, ...) are what a training loop logs. From a
+  ``flax.nnx.Optimizer``'s ``opt_state`` (whose arrays are wrapped in nnx
+  variables) the state comes back with plain arrays.
 
   Args:
     opt_state: an optimizer state containing one (or, with ``name``, several)
@@ -429,7 +729,7 @@ def loss_scaled_state(opt_state: Any,
   every = struct.find_nodes(opt_state, LossScaledState)
   found = every if name is None else [s for s in every if s.name == name]
   if len(found) == 1:
-    return found[0]
+    return unwrap_nnx(found[0])
   names = [s.name for s in every]
   if not found:
     raise ValueError(
@@ -444,12 +744,44 @@ def loss_scaled_state(opt_state: Any,
   )
 
 
+def unwrap_nnx(tree: Any) -> Any:
+  """Replaces Flax nnx variables in ``tree`` by the arrays they hold.
+
+  ``flax.nnx.Optimizer`` keeps its ``opt_state`` with every array wrapped in
+  an ``OptArray`` variable. Detected without importing Flax: a tree can only
+  hold nnx variables once ``flax.nnx`` has been imported.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    ``tree`` with plain arrays (``tree`` itself when nnx is not loaded).
+
+  Example:
+    >>> from jmp_lite.transforms import unwrap_nnx
+    >>> unwrap_nnx({"a": 1.0})
+    {'a': 1.0}
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return tree
+  variable = nnx.Variable
+
+  def value(x: Any) -> Any:
+    if isinstance(x, variable):
+      return unwrap_nnx(x.get_value())
+    return x
+
+  return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, variable))
+
+
 def current_loss_scale(opt_state: Any, name: str | None = None) -> LossScale:
   """Returns the loss-scale state to scale the next loss with.
 
   Finds the :class:`LossScaledState` anywhere in ``opt_state``: inside
   ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-  ``optax.multi_transform`` or any other pytree of states.
+  ``optax.multi_transform`` or any other pytree of states, and in a
+  ``flax.nnx.Optimizer``'s ``opt_state`` (returning plain arrays).
 
   Args:
     opt_state: an optimizer state containing one (or, with ``name``, several)

@@ -1,0 +1,356 @@
+"""The optimizer step as one call, and the gradients of a scaled loss.
+
+:func:`update_and_apply` replaces ``opt.update`` + ``optax.apply_updates``.
+With a loss-scaled optimizer it decides the step *once*, up front: one
+``lax.cond`` around "unscale, inner update, apply updates", with the unscale
+inside the taken branch. In a train step jitted with donated params and
+optimizer state that is the cheapest formulation measured on XLA:CPU (one
+read of the gradients more than a plain step, no copies; see
+``benchmarks/loss_scaling_overhead.py`` and ``docs/train_step.md``).
+
+:func:`scaled_value_and_grad` is ``jax.value_and_grad`` of the scaled loss,
+returning the unscaled loss: with both, a float32 train step becomes a
+loss-scaled one by changing two lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite.finite import all_finite
+from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
+                                 StaticLossScale)
+from jmp_lite.transforms import (GUARD_STATES, Decided, SkipNonfiniteState,
+                                 current_loss_scale, reduce_finite,
+                                 strip_decided, unwrap_nnx)
+
+# optax wrappers that hand their inner optimizer the gradients unchanged.
+_FORWARDING_OPTAX = (optax.InjectHyperparamsState,
+                     optax.InjectStatefulHyperparamsState)
+_LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+
+def _forwards(node: Any) -> bool:
+  """Whether ``node``'s transformation passes the step's gradients inward.
+
+  ``optax.chain``/``named_chain`` (plain tuples and dicts),
+  ``inject_hyperparams`` and any state class declaring
+  ``forwards_gradients = True`` (``master_weights``) do; accumulation and
+  masking (``accumulate_gradients``, ``MultiSteps``, ``multi_transform``,
+  ``masked``) and unknown wrappers are not assumed to.
+  """
+  if type(node) in (tuple, list, dict):
+    return True
+  if isinstance(node, _FORWARDING_OPTAX):
+    return True
+  return getattr(type(node), "forwards_gradients", False) is True
+
+
+def _find_guards(tree: Any) -> list[tuple[Any, tuple[str, ...]]]:
+  """Every guard state in ``tree``, with the non-forwarding wrappers around it."""
+  found: list[tuple[Any, tuple[str, ...]]] = []
+
+  def walk(node: Any, outside: tuple[str, ...]) -> None:
+    if isinstance(node, GUARD_STATES):
+      found.append((node, outside))
+      walk(node.inner_state, outside + (type(node).__name__,))
+      return
+    children, treedef = jax.tree_util.tree_flatten(
+        node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1:  # A leaf, or a node without children.
+      return
+    inner = outside if _forwards(node) else outside + (type(node).__name__,)
+    for child in children:
+      walk(child, inner)
+
+  walk(tree, ())
+  return found
+
+
+def _plan(opt_state: Any) -> tuple[str, str, Any]:
+  found = _find_guards(opt_state)
+  if not found:
+    return "update", ("no loss_scaled or skip_nonfinite state: a plain"
+                      " optimizer step"), None
+  if len(found) > 1:
+    return "update", (f"{len(found)} guards (loss_scaled/skip_nonfinite)"
+                      " each decide on the gradients they see"), None
+  guard, outside = found[0]
+  if outside:
+    return "update", (f"the guard sits inside {outside[-1]}, which does not"
+                      " hand it the step's gradients as they are"
+                      " (accumulation or masking): the guard decides"
+                      " itself"), None
+  kind, why = guard.config.formulation()
+  if kind == "select":
+    return "update", why, None
+  return "cond", ("one lax.cond around unscale, update and apply (" + why
+                  + ")"), guard
+
+
+def formulation(opt_state: Any) -> tuple[str, str]:
+  """Says how :func:`update_and_apply` will compile a step with ``opt_state``.
+
+  Args:
+    opt_state: the optimizer state (its tree structure decides).
+
+  Returns:
+    ``("cond", why)`` when the step is decided up front with one
+    ``lax.cond``; ``("update", why)`` when it runs ``optimizer.update`` and
+    applies the updates (each guard inside then skips on its own).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaled(optax.adam(1e-3), "c=f16")
+    >>> jmp_lite.step.formulation(opt.init(jnp.ones(2)))[0]  # on the CPU
+    'cond'
+    >>> jmp_lite.step.formulation(optax.adam(1e-3).init(jnp.ones(2)))[0]
+    'update'
+  """
+  kind, why, _ = _plan(unwrap_nnx(opt_state))
+  return kind, why
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates``, which also leaves params with ``float0`` updates.
+
+  ``float0`` updates (the gradients of integer params under
+  ``jax.grad(..., allow_int=True)``) leave their params as they are.
+
+  Args:
+    params: the params.
+    updates: updates of the same structure.
+
+  Returns:
+    ``(p + u).astype(p.dtype)`` leaf by leaf, exactly as optax computes it.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.step.apply_updates({"w": jnp.ones(2)}, {"w": jnp.ones(2)})
+    {'w': Array([2., 2.], dtype=float32)}
+  """
+  def apply(p: Any, u: Any) -> Any:
+    if p is None:
+      return None
+    if getattr(u, "dtype", None) == jax.dtypes.float0:
+      return p
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+  return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise TypeError(
+        "update_and_apply expects an optax.GradientTransformation (with init"
+        f" and update) as optimizer, got {type(optimizer).__name__}:"
+        f" {optimizer!r}")
+
+
+def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
+                     opt_state: Any, params: Any,
+                     **extra: Any) -> tuple[Any, Any]:
+  """Runs one optimizer step: ``optimizer.update``, then apply the updates.
+
+  Returns what ``u, s = optimizer.update(grads, opt_state, params, **extra)``
+  followed by ``(optax.apply_updates(params, u), s)`` returns: bit for bit on
+  skipped steps, within an ulp on applied ones (XLA may fuse the arithmetic
+  differently). Any optimizer works; with one :func:`~jmp_lite.loss_scaled`
+  or :func:`~jmp_lite.skip_nonfinite` ("guard") inside, the step is compiled
+  the cheapest way the structure allows:
+
+  * **One** ``lax.cond`` **for the whole step** when the guard is the
+    optimizer itself or sits inside wrappers that hand it the gradients as
+    they are (``optax.chain``, ``inject_hyperparams``,
+    :func:`~jmp_lite.master_weights`, or a state class declaring
+    ``forwards_gradients = True``) and its own formulation is ``"cond"``
+    (``skip_with="auto"`` on the CPU; not with ``check_updates`` or a scale
+    that may drop below 1). The finiteness of ``grads`` is read once (and
+    agreed over the guard's ``axis_name``); the taken branch unscales, runs
+    the inner update and applies it, fused, with no select and no copy of a
+    donated buffer; the skipped branch runs the wrappers around the guard
+    on its ``-0.0`` updates, so params and the guard's inner state come
+    back bit-identical and only the guard's counters and loss scale move.
+  * ``optimizer.update`` + apply otherwise: several guards (e.g. per
+    partition), a guard inside an accumulation or masking wrapper
+    (:func:`~jmp_lite.accumulate_gradients`, ``MultiSteps``,
+    ``multi_transform``: only the guard sees its own decision), or a
+    ``"select"`` guard. Each guard then skips inside its own ``update``.
+
+  :func:`jmp_lite.step.formulation` says which path a state takes, and why.
+  No host syncs either way. Jit the train step with ``donate_argnums`` for
+  params and optimizer state: nothing here keeps the old buffers alive.
+  A ``flax.nnx.Optimizer``'s ``opt_state`` (arrays wrapped in nnx
+  variables) is accepted; the state comes back with plain arrays.
+
+  Args:
+    optimizer: an ``optax.GradientTransformation``.
+    grads: the gradients (of the *scaled* loss with a loss-scaled optimizer,
+      e.g. from :func:`scaled_value_and_grad`).
+    opt_state: the optimizer's state.
+    params: the params the gradients were taken at.
+    **extra: extra keyword arguments for ``optimizer.update``.
+
+  Returns:
+    ``(new_params, new_opt_state)``.
+
+  Raises:
+    TypeError: if ``optimizer`` is not a gradient transformation.
+    ValueError: if ``params`` is ``None``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+    >>> params = jnp.ones(2)
+    >>> state = opt.init(params)
+    >>> grads = jax.grad(lambda p: 4.0 * (p ** 2).sum())(params)
+    >>> params, state = jmp_lite.update_and_apply(opt, grads, state, params)
+    >>> params
+    Array([0.8, 0.8], dtype=float32)
+    >>> bad = jnp.array([1.0, jnp.inf])
+    >>> same, state = jmp_lite.update_and_apply(opt, bad, state, params)
+    >>> bool((same == params).all()), int(state.total_skips)
+    (True, 1)
+  """
+  _check_optimizer(optimizer)
+  if params is None:
+    raise ValueError(
+        "update_and_apply needs the params to apply the updates to: call"
+        " update_and_apply(optimizer, grads, opt_state, params)")
+  grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
+  kind, _, guard = _plan(opt_state)
+  if kind == "update":
+    updates, new_state = optimizer.update(grads, opt_state, params, **extra)
+    return apply_updates(params, updates), new_state
+
+  finite = reduce_finite(all_finite(grads), guard.config.axis_name)
+  apply = finite
+  if isinstance(guard, SkipNonfiniteState):
+    apply = finite & ~jnp.asarray(guard.halted, jnp.bool_)
+
+  def branch(decision: bool) -> Callable[[], tuple[Any, Any]]:
+    def run() -> tuple[Any, Any]:
+      marked = jax.tree.map(
+          lambda n: Decided(n, finite, decision) if n is guard else n,
+          opt_state, is_leaf=lambda n: n is guard)
+      updates, new_state = optimizer.update(grads, marked, params, **extra)
+      return apply_updates(params, updates), strip_decided(new_state)
+    return run
+
+  return jax.lax.cond(apply, branch(True), branch(False))
+
+
+def _loss_scale_of(loss_scale: Any) -> LossScale:
+  if isinstance(loss_scale, _LOSS_SCALES):
+    return unwrap_nnx(loss_scale)
+  if loss_scale is None or isinstance(
+      loss_scale, (numbers.Number, np.ndarray, np.generic, jax.Array, str)):
+    raise TypeError(
+        "loss_scale must be a loss-scale state (NoOpLossScale,"
+        " StaticLossScale or DynamicLossScale) or an optimizer state holding"
+        " a jmp_lite.loss_scaled(...) state, got"
+        f" {type(loss_scale).__name__}: {loss_scale!r}; for a fixed number"
+        " pass jmp_lite.StaticLossScale(value)")
+  try:
+    return current_loss_scale(loss_scale)
+  except ValueError as e:
+    raise ValueError(f"scaled_value_and_grad: {e}") from None
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: Any,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    value_and_grad: Callable[..., Any] | None = None,
+) -> Callable[..., tuple[Any, Any]]:
+  """``jax.value_and_grad`` of the scaled loss; returns the unscaled loss.
+
+  Differentiates ``loss_scale.scale(fun(...))``, so the gradients are those
+  of the scaled loss (what :func:`~jmp_lite.loss_scaled` and
+  :func:`update_and_apply` expect), and returns the loss as ``fun`` computed
+  it, unscaled, with ``aux`` when ``has_aux``: the true loss to log, with no
+  ``has_aux`` trick. With a no-op scale it is ``jax.value_and_grad``.
+
+  Args:
+    fun: the loss function; returns a real scalar (or ``(loss, aux)`` with
+      ``has_aux=True``).
+    loss_scale: a loss-scale state (``NoOpLossScale``, ``StaticLossScale``,
+      ``DynamicLossScale``), or an optimizer state holding one
+      :func:`~jmp_lite.loss_scaled` state (its current scale is used, as
+      :func:`~jmp_lite.current_loss_scale` finds it; a
+      ``flax.nnx.Optimizer``'s ``opt_state`` works too). With several named
+      loss-scaled states pass ``current_loss_scale(state, name)``.
+    argnums: which positional argument(s) to differentiate, as for
+      ``jax.value_and_grad``.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    value_and_grad: the transformation to use, called as
+      ``value_and_grad(f, argnums=argnums, has_aux=True)``; default
+      ``jax.value_and_grad`` (``flax.nnx.value_and_grad`` for nnx modules).
+
+  Returns:
+    A function with ``fun``'s signature returning ``(loss, grads)``, or
+    ``((loss, aux), grads)`` with ``has_aux``.
+
+  Raises:
+    TypeError: if ``fun`` or ``value_and_grad`` is not callable,
+      ``has_aux`` is not a bool, or ``loss_scale`` is neither a loss-scale
+      state nor an optimizer state; when called, if ``has_aux`` is set and
+      ``fun`` does not return a pair.
+    ValueError: if ``loss_scale`` is an optimizer state without a loss-scaled
+      state (or with several and no way to pick one).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> scale = jmp_lite.StaticLossScale(1024.0)
+    >>> loss, grads = jmp_lite.scaled_value_and_grad(
+    ...     lambda w: (w ** 2).sum(), scale)(jnp.ones(2))
+    >>> float(loss), grads
+    (2.0, Array([2048., 2048.], dtype=float32))
+  """
+  if not callable(fun):
+    raise TypeError(
+        f"fun must be callable, got {type(fun).__name__}: {fun!r}")
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
+  if value_and_grad is None:
+    value_and_grad = jax.value_and_grad
+  if not callable(value_and_grad):
+    raise TypeError(
+        "value_and_grad must be callable (e.g. jax.value_and_grad), got"
+        f" {value_and_grad!r}")
+  scale = _loss_scale_of(loss_scale)
+
+  def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            "scaled_value_and_grad(has_aux=True): fun must return a pair"
+            f" (loss, aux), got {type(out).__name__}")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    return scale.scale(loss), (loss, aux)
+
+  grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
+
+  @functools.wraps(fun)
+  def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapped
+
+
+__all__ = ["apply_updates", "formulation", "scaled_value_and_grad",
+           "update_and_apply"]

@@ -1,0 +1,632 @@
+"""Tests for jmp_lite.step: update_and_apply and scaled_value_and_grad."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+
+def _params(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  params = {
+      "dense": {"w": jnp.asarray(rng.standard_normal((6, 5)) * 0.3, dtype),
+                # A -0.0 entry: a skipped step must keep its sign bit.
+                "b": jnp.zeros((5,), dtype).at[2].set(-0.0)},
+      "out": {"w": jnp.asarray(rng.standard_normal((5, 2)) * 0.3, dtype)},
+  }
+  return params
+
+
+def _loss(params, x, y):
+  p = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  h = jnp.tanh(x @ p["dense"]["w"] + p["dense"]["b"])
+  return jnp.mean((h @ p["out"]["w"] - y) ** 2)
+
+
+def _batches(n, seed=1):
+  rng = np.random.default_rng(seed)
+  return [(jnp.asarray(rng.standard_normal((8, 6)), jnp.float32),
+           jnp.asarray(rng.standard_normal((8, 2)), jnp.float32))
+          for _ in range(n)]
+
+
+# Step -> (leaf index, flat position, value): +-inf and NaN in every leaf.
+FAULTS = {2: (0, 3, np.inf), 3: (1, 0, np.nan), 6: (2, 5, -np.inf),
+          9: (1, 4, np.inf)}
+N_STEPS = 11
+
+
+def _mask(fault):
+  leaves, treedef = jax.tree.flatten(_params())
+  masks = [np.zeros(l.shape, bool) for l in leaves]
+  if fault is not None:
+    i, pos, _ = fault
+    masks[i].reshape(-1)[pos % masks[i].size] = True
+  return jax.tree.unflatten(treedef, masks)
+
+
+def _inner():
+  return optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(optax.linear_schedule(1e-2, 1e-3, 40), weight_decay=1e-2))
+
+
+def _scale():
+  return jmp_lite.DynamicLossScale(2.0**8, period=3, hysteresis=2)
+
+
+def _ls(**kw):
+  return jmp_lite.loss_scaled(_inner(), _scale(), **kw)
+
+
+# name -> (optimizer factory, param dtype, scaled loss, formulation,
+#          whether a skipped step changes nothing outside the guard's counters)
+COMPOSITIONS = {
+    "loss_scaled": (_ls, jnp.float32, True, "cond", True),
+    "skip_nonfinite": (
+        lambda: jmp_lite.skip_nonfinite(_inner(), max_consecutive_skips=50),
+        jnp.float32, False, "cond", True),
+    "chain": (lambda: optax.chain(_ls(), optax.scale(1.0)), jnp.float32, True,
+              "cond", True),
+    "master_weights": (lambda: jmp_lite.master_weights(_ls()), jnp.bfloat16,
+                       True, "cond", True),
+    # inject_hyperparams *around* the guard counts every step, as it does
+    # with opt.update: equal to the update path, not to a good-steps-only run.
+    "inject_hyperparams": (
+        lambda: optax.inject_hyperparams(
+            lambda learning_rate: jmp_lite.loss_scaled(
+                optax.adam(learning_rate), _scale()))(
+                    learning_rate=optax.linear_schedule(1e-2, 1e-3, 40)),
+        jnp.float32, True, "cond", False),
+    "accumulate_gradients": (
+        lambda: jmp_lite.accumulate_gradients(_ls(), every_k=2), jnp.float32,
+        True, "update", False),
+    "MultiSteps": (lambda: optax.MultiSteps(_ls(), every_k_schedule=2),
+                   jnp.float32, True, "update", False),
+    "multi_transform": (
+        lambda: optax.multi_transform(
+            {"g": _ls(name="g"), "d": _ls(name="d")},
+            {"dense": "g", "out": "d"}),
+        jnp.float32, True, "update", False),
+}
+
+
+def _scaled_grads(opt_state, params, x, y, scaled, fault_mask, bad):
+  if scaled:
+    scale = jmp_lite.current_loss_scale(
+        opt_state, name="g" if "g" in _names(opt_state) else None)
+    loss, grads = jmp_lite.scaled_value_and_grad(_loss, scale)(params, x, y)
+  else:
+    loss, grads = jax.value_and_grad(_loss)(params, x, y)
+  grads = jax.tree.map(lambda g, m: jnp.where(m, bad, g).astype(g.dtype),
+                       grads, fault_mask)
+  return loss, grads
+
+
+def _names(opt_state):
+  return [s.name for s in jmp_lite.struct.find_nodes(
+      opt_state, jmp_lite.LossScaledState)]
+
+
+def _steps(opt, scaled):
+  def new_way(params, opt_state, x, y, fault_mask, bad):
+    loss, grads = _scaled_grads(opt_state, params, x, y, scaled, fault_mask,
+                                bad)
+    return (*jmp_lite.update_and_apply(opt, grads, opt_state, params), loss)
+
+  def old_way(params, opt_state, x, y, fault_mask, bad):
+    loss, grads = _scaled_grads(opt_state, params, x, y, scaled, fault_mask,
+                                bad)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return (jax.jit(new_way, donate_argnums=(0, 1)), jax.jit(old_way))
+
+
+def _assert_close_to_ulps(got, want, old, ulps=2):
+  """Floats within ``ulps`` ulps of the larger of old and new; rest exact."""
+  for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                     jax.tree.leaves(old)):
+    g, w, o = np.asarray(g), np.asarray(w), np.asarray(o)
+    assert g.dtype == w.dtype
+    if not np.issubdtype(g.dtype, np.floating) and g.dtype != jnp.bfloat16:
+      np.testing.assert_array_equal(g, w)
+      continue
+    g32, w32, o32 = (v.astype(np.float32) for v in (g, w, o))
+    big = np.maximum(np.maximum(abs(g32), abs(w32)), abs(o32))
+    spacing = np.spacing(big.astype(g.dtype)).astype(np.float32)
+    # NaN where both are NaN (MultiSteps' poisoned accumulator).
+    np.testing.assert_array_equal(np.isnan(g32), np.isnan(w32))
+    ok = np.isnan(g32) | (abs(g32 - w32) <= ulps * spacing)
+    assert np.all(ok), np.nanmax(abs(g32 - w32) / spacing)
+
+
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+def test_update_and_apply_matches_the_update_path(name):
+  """Fault injection: skipped steps bit-identical, applied ones within ulps."""
+  factory, dtype, scaled, kind, _ = COMPOSITIONS[name]
+  opt = factory()
+  new_step, old_step = _steps(opt, scaled)
+  params = _params(dtype)
+  state = opt.init(params)
+  assert jmp_lite.step.formulation(state)[0] == kind
+  for i, (x, y) in enumerate(_batches(N_STEPS)):
+    fault = FAULTS.get(i)
+    args = (x, y, _mask(fault), jnp.float32(fault[2] if fault else 0.0))
+    want = old_step(params, state, *args)
+    old = jax.device_get((params, state))
+    got = new_step(params, state, *args)  # Donates params and state.
+    if fault is not None:
+      chex.assert_trees_all_equal(got, want)
+    else:
+      _assert_close_to_ulps(got[:2], want[:2], old)
+    params, state = got[:2]
+    for p in jax.tree.leaves(params):
+      assert_dtype(p, dtype)
+
+
+GOOD_ONLY = [n for n, c in COMPOSITIONS.items() if c[4]]
+
+
+@pytest.mark.parametrize("name", GOOD_ONLY)
+def test_skips_leave_everything_as_a_run_without_the_bad_steps(name):
+  factory, dtype, scaled, _, _ = COMPOSITIONS[name]
+  opt = factory()
+  step, _ = _steps(opt, scaled)
+  params, ref_params = _params(dtype), _params(dtype)
+  state, ref_state = opt.init(params), opt.init(ref_params)
+  no_fault = _mask(None)
+  for i, (x, y) in enumerate(_batches(N_STEPS)):
+    fault = FAULTS.get(i)
+    if fault is None:
+      ref_params, ref_state, _ = step(ref_params, ref_state, x, y, no_fault,
+                                      jnp.float32(0.0))
+      params, state, _ = step(params, state, x, y, no_fault, jnp.float32(0))
+      continue
+    before = jax.device_get((params, state))
+    params, state, loss = step(params, state, x, y, _mask(fault),
+                               jnp.float32(fault[2]))
+    # Bit for bit, -0.0 included (assert_trees_all_equal compares values).
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0])):
+      np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
+    chex.assert_trees_all_equal(params, before[0])
+    # Everything but the guard's counters and scale: inner state, master
+    # copy, wrappers' states.
+    chex.assert_trees_all_equal(_without_counters(state),
+                                _without_counters(before[1]))
+    assert not bool(_guard(state).last_finite)
+    assert np.isfinite(float(loss))  # The fault was in the gradients only.
+  chex.assert_trees_all_equal(params, ref_params)
+  chex.assert_trees_all_equal(_guard(state).inner_state,
+                              _guard(ref_state).inner_state)
+  assert int(_guard(state).total_skips) == len(FAULTS)
+
+
+def _without_counters(state):
+  kinds = (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState)
+  return jax.tree.map(lambda n: n.inner_state if isinstance(n, kinds) else n,
+                      state, is_leaf=lambda n: isinstance(n, kinds))
+
+
+def _guard(state):
+  found = (jmp_lite.struct.find_nodes(state, jmp_lite.LossScaledState)
+           + jmp_lite.struct.find_nodes(state, jmp_lite.SkipNonfiniteState))
+  assert len(found) == 1
+  return found[0]
+
+
+def test_loss_scale_moves_without_recompiling():
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**6, period=2)))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, x, y, bad):
+    _, grads = jmp_lite.scaled_value_and_grad(_loss, state)(params, x, y)
+    grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
+    return jmp_lite.update_and_apply(opt, grads, state, params)
+
+  params = _params(jnp.float16)
+  state = opt.init(params)
+  scales = []
+  for i, (x, y) in enumerate(_batches(12)):
+    params, state = step(params, state, x, y, jnp.array(i in (5, 6)))
+    scales.append(float(jmp_lite.current_loss_scale(state).loss_scale))
+  assert scales == [64.0, 128.0, 128.0, 256.0, 256.0, 128.0, 64.0, 64.0,
+                    128.0, 128.0, 256.0, 256.0]
+  chex.assert_trees_all_equal(
+      params, jax.tree.map(lambda m: m.astype(jnp.float16),
+                           jmp_lite.master_params(state)))
+
+
+def _top_level_primitives(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [(e.primitive.name, [v.aval.ndim for v in e.outvars])
+          for e in jaxpr.eqns]
+
+
+@pytest.mark.parametrize("skip_with", ["auto", "cond", "select"])
+def test_the_formulation_is_what_runs(skip_with):
+  """A cond plan is one lax.cond around everything; select has no cond."""
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3), _scale(), skip_with=skip_with)
+  params = _params()
+  state = opt.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  kind, why = jmp_lite.step.formulation(state)
+  prims = _top_level_primitives(
+      lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p), params, state,
+      grads)
+  array_selects = [p for p, nd in prims if p == "select_n" and max(nd) > 0]
+  if skip_with == "select":
+    assert kind == "update" and "skip_with='select'" in why
+    assert array_selects and "cond" not in [p for p, _ in prims]
+  else:
+    assert kind == "cond" and "lax.cond" in why
+    assert [p for p, _ in prims].count("cond") == 1 and not array_selects
+    # Parameter additions happen only inside the branches.
+    assert "add" not in [p for p, nd in prims if max(nd, default=0) > 0]
+
+
+def test_formulation_reasons():
+  params = _params()
+
+  def kind_and_why(opt):
+    return jmp_lite.step.formulation(opt.init(params))
+
+  kind, why = kind_and_why(optax.adam(1e-3))
+  assert kind == "update" and "no loss_scaled" in why
+  kind, why = kind_and_why(jmp_lite.loss_scaled(
+      optax.adam(1e-3), _scale(), check_updates=True))
+  assert kind == "update" and "check_updates" in why
+  kind, why = kind_and_why(jmp_lite.loss_scaled(
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(4.0, min_loss_scale=0.25)))
+  assert kind == "update" and "below 1" in why
+  kind, why = kind_and_why(jmp_lite.skip_nonfinite(_ls()))
+  assert kind == "update" and "2 guards" in why
+  kind, why = kind_and_why(jmp_lite.accumulate_gradients(_ls(), every_k=2))
+  assert kind == "update" and "AccumulateState" in why
+
+
+def test_check_updates_and_low_scales_still_skip_through_update_and_apply():
+  params = {"w": jnp.ones((4,), jnp.float16)}
+  grads = {"w": jnp.array([1e-3, 0.0, 0.0, 0.0], jnp.float16)}
+  opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
+                             allow_half_state=True)  # check_updates on
+  state = opt.init(params)
+  new_params, new_state = jax.jit(jmp_lite.update_and_apply, static_argnums=0)(
+      opt, grads, state, params)
+  chex.assert_trees_all_equal(new_params, params)
+  assert int(new_state.total_skips) == 1
+
+
+def test_halted_skip_nonfinite_skips_finite_steps():
+  opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=2)
+  params = {"w": jnp.ones(3)}
+  state = opt.init(params)
+  step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
+  nan = {"w": jnp.array([1.0, jnp.nan, 1.0])}
+  for _ in range(2):
+    params, state = step(params, state, nan)
+  assert bool(state.halted)
+  params, state = step(params, state, {"w": jnp.ones(3)})
+  np.testing.assert_array_equal(np.asarray(params["w"]), 1.0)
+  assert int(state.total_skips) == 3 and bool(state.last_finite)
+
+
+def test_extra_args_reach_the_inner_optimizer():
+  seen = []
+
+  def inner_update(updates, state, params=None, *, factor):
+    seen.append(factor)
+    return jax.tree.map(lambda u: -factor * u, updates), state
+
+  inner = optax.GradientTransformationExtraArgs(
+      lambda p: optax.EmptyState(), inner_update)
+  opt = jmp_lite.loss_scaled(inner, jmp_lite.StaticLossScale(2.0))
+  params = {"w": jnp.ones(2)}
+  new, _ = jmp_lite.update_and_apply(opt, {"w": jnp.full(2, 2.0)},
+                                     opt.init(params), params, factor=0.5)
+  np.testing.assert_allclose(np.asarray(new["w"]), 0.5)
+  assert seen
+
+
+def test_int_and_float0_leaves_pass_through():
+  params = {"w": jnp.ones((3,)), "step": jnp.array(7)}
+  opt = jmp_lite.loss_scaled(
+      optax.multi_transform({"f": optax.adam(0.1), "z": optax.set_to_zero()},
+                            {"w": "f", "step": "z"}),
+      jmp_lite.DynamicLossScale(4.0))
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state, bad):
+    scale = jmp_lite.current_loss_scale(state)
+    # allow_int gives the int leaf a float0 gradient.
+    grads = jax.grad(
+        lambda p: scale.scale(jnp.sum(p["w"] ** 2) * p["step"]),
+        allow_int=True)(params)
+    grads["w"] = jnp.where(bad, jnp.nan, grads["w"])
+    return jmp_lite.update_and_apply(opt, grads, state, params)
+
+  new, state = step(params, state, jnp.array(False))
+  assert float(new["w"][0]) < 1.0 and int(new["step"]) == 7
+  assert_dtype(new["step"], jnp.int32)
+  again, state = step(new, state, jnp.array(True))
+  chex.assert_trees_all_equal(again, new)
+  assert int(state.total_skips) == 1
+
+
+def test_update_and_apply_validation():
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    jmp_lite.update_and_apply(lambda g: g, {}, {}, {})
+  opt = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="needs the params"):
+    jmp_lite.update_and_apply(opt, jnp.ones(2), opt.init(jnp.ones(2)), None)
+
+
+def test_apply_updates_equals_optax():
+  params = {"w": jnp.ones(3, jnp.bfloat16), "v": jnp.full(2, 3.0),
+            "none": None}
+  updates = {"w": jnp.full(3, 1e-3, jnp.float32), "v": jnp.full(2, -0.5),
+             "none": None}
+  chex.assert_trees_all_equal(jmp_lite.step.apply_updates(params, updates),
+                              optax.apply_updates(params, updates))
+
+
+# ------------------------------------------------------------- donation
+
+
+def _buffers(tree):
+  out = []
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      out.extend(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+  return out
+
+
+TRANSFORMATIONS = {
+    "skip_nonfinite": lambda: jmp_lite.skip_nonfinite(optax.adam(1e-3)),
+    "loss_scaled": lambda: jmp_lite.loss_scaled(
+        optax.adam(1e-3), jmp_lite.DynamicLossScale(jnp.float32(2.0**8))),
+    "master_weights": lambda: jmp_lite.master_weights(
+        jmp_lite.loss_scaled(optax.adam(1e-3), _scale())),
+    "accumulate_gradients": lambda: jmp_lite.accumulate_gradients(
+        jmp_lite.loss_scaled(optax.adam(1e-3), _scale()), every_k=2),
+    "tracked": lambda: jmp_lite.loss_scaled(
+        optax.adam(1e-3), _scale(), track_nonfinite=True),
+    "O2": lambda: jmp_lite.master_weights(jmp_lite.accumulate_gradients(
+        jmp_lite.loss_scaled(optax.adam(1e-3), _scale()), every_k=2)),
+}
+
+
+@pytest.mark.parametrize("name,via", [
+    *((n, "update_and_apply") for n in TRANSFORMATIONS),
+    ("master_weights", "update"), ("O2", "update")])
+def test_donated_step_runs(name, via):
+  """No state leaf is a param's buffer (or another leaf's): donation works."""
+  opt = TRANSFORMATIONS[name]()
+  # float32 leaves (a float32 master copy would alias them), an int leaf
+  # (passed through by master weights and accumulation), bfloat16 ones.
+  with_int = {"w": jnp.ones((3, 2)), "n": jnp.array(3)}
+  state = opt.init(with_int)
+  state_buffers = _buffers(state)
+  assert not set(state_buffers) & set(_buffers(with_int))
+  assert len(set(state_buffers)) == len(state_buffers)
+
+  master = name in ("master_weights", "O2")
+  params = {"w": jnp.ones((3, 2)),
+            "h": jnp.ones((2,), jnp.bfloat16 if master else jnp.float32)}
+  state = opt.init(params)
+  assert not set(_buffers(state)) & set(_buffers(params))
+
+  def loss(p):
+    return jnp.sum(p["w"] ** 2) + jnp.sum(p["h"].astype(jnp.float32) ** 2)
+
+  @jax.jit
+  def grads_of(params, state):
+    g = jax.grad(loss)(params)
+    found = jmp_lite.struct.find_nodes(state, jmp_lite.LossScaledState)
+    if found:
+      g = found[0].loss_scale.scale(g)
+    return g
+
+  def step(params, state, grads):
+    if via == "update_and_apply":
+      return jmp_lite.update_and_apply(opt, grads, state, params)
+    updates, state = opt.update(grads, state, params)
+    return jmp_lite.step.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(3):
+    grads = grads_of(params, state)
+    old = params
+    params, state = step(params, state, grads)
+    assert old["w"].is_deleted()  # Donated, and the step still ran.
+  assert float(params["w"][0, 0]) < 1.0
+
+
+# ----------------------------------------------------- scaled_value_and_grad
+
+
+def _fun(w, x, k=1.0):
+  return k * jnp.sum((w * x) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scaled_value_and_grad_values(jit):
+  w, x = jnp.array([1.0, -2.0]), jnp.array([0.5, 3.0])
+  scale = jmp_lite.StaticLossScale(256.0)
+  fn = jmp_lite.scaled_value_and_grad(_fun, scale)
+  fn = jax.jit(fn) if jit else fn
+  loss, grads = fn(w, x, k=2.0)
+  ref_loss, ref_grads = jax.value_and_grad(_fun)(w, x, k=2.0)
+  assert float(loss) == float(ref_loss)  # Unscaled, exactly as fun gave it.
+  assert_dtype(loss, jnp.float32)
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda g: 256.0 * g,
+                                                  ref_grads), rtol=1e-7)
+
+
+def test_scaled_value_and_grad_aux_and_argnums():
+  def fun(w, x):
+    return jnp.sum(w * x), {"mean": jnp.mean(w)}
+
+  scale = jmp_lite.StaticLossScale(4.0)
+  (loss, aux), (gw, gx) = jmp_lite.scaled_value_and_grad(
+      fun, scale, argnums=(0, 1), has_aux=True)(jnp.ones(2), jnp.full(2, 3.0))
+  assert float(loss) == 6.0 and float(aux["mean"]) == 1.0
+  np.testing.assert_array_equal(np.asarray(gw), 12.0)
+  np.testing.assert_array_equal(np.asarray(gx), 4.0)
+
+
+def test_scaled_value_and_grad_half_precision_loss():
+  w = jnp.full((2,), 0.5, jnp.float16)
+  loss_fn = lambda w: jnp.sum(w * w)  # float16 loss
+  loss, grads = jmp_lite.scaled_value_and_grad(
+      loss_fn, jmp_lite.StaticLossScale(2.0**10))(w)
+  assert_dtype(loss, jnp.float16)
+  assert_dtype(grads, jnp.float16)
+  assert float(loss) == 0.5
+  np.testing.assert_array_equal(np.asarray(grads, np.float32), 2.0**10)
+
+
+def test_scaled_value_and_grad_takes_an_optimizer_state():
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)))
+  state = opt.init({"w": jnp.ones(2)})
+  _, grads = jmp_lite.scaled_value_and_grad(
+      lambda p: jnp.sum(p["w"]), state)({"w": jnp.ones(2)})
+  np.testing.assert_array_equal(np.asarray(grads["w"]), 8.0)
+  # A no-op scale gives jax.value_and_grad's gradients.
+  plain = jmp_lite.loss_scaled(optax.sgd(0.1), "f32").init(jnp.ones(2))
+  _, g = jmp_lite.scaled_value_and_grad(lambda w: jnp.sum(w ** 3), plain)(
+      jnp.full(2, 2.0))
+  np.testing.assert_array_equal(np.asarray(g), 12.0)
+
+
+def test_scaled_value_and_grad_errors():
+  with pytest.raises(TypeError, match="fun must be callable"):
+    jmp_lite.scaled_value_and_grad(3.0, jmp_lite.NoOpLossScale())
+  with pytest.raises(TypeError, match=r"StaticLossScale\(value\)"):
+    jmp_lite.scaled_value_and_grad(_fun, 2.0**15)
+  with pytest.raises(TypeError, match="loss-scale state"):
+    jmp_lite.scaled_value_and_grad(_fun, "f16")
+  with pytest.raises(ValueError, match="No loss_scaled state"):
+    jmp_lite.scaled_value_and_grad(_fun, optax.adam(1e-3).init(jnp.ones(2)))
+  two = optax.multi_transform(
+      {"a": jmp_lite.loss_scaled(optax.sgd(0.1), "f32", name="a"),
+       "b": jmp_lite.loss_scaled(optax.sgd(0.1), "f32", name="b")},
+      {"x": "a", "y": "b"}).init({"x": jnp.ones(1), "y": jnp.ones(1)})
+  with pytest.raises(ValueError, match="pass name="):
+    jmp_lite.scaled_value_and_grad(_fun, two)
+  with pytest.raises(TypeError, match="has_aux must be a bool"):
+    jmp_lite.scaled_value_and_grad(_fun, jmp_lite.NoOpLossScale(), has_aux=1)
+  with pytest.raises(TypeError, match="pair"):
+    jmp_lite.scaled_value_and_grad(
+        lambda w: jnp.sum(w), jmp_lite.NoOpLossScale(),
+        has_aux=True)(jnp.ones(2))
+
+
+def test_two_line_change_from_a_float32_step():
+  """The docs' claim: only the optimizer line and the gradient line change."""
+  x, y = _batches(1)[0]
+
+  opt = optax.adam(1e-2)
+
+  @jax.jit
+  def f32_step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(_loss)(params, x, y)
+    params, opt_state = jmp_lite.update_and_apply(opt, grads, opt_state,
+                                                  params)
+    return params, opt_state, loss
+
+  scaled_opt = jmp_lite.loss_scaled(optax.adam(1e-2), "p=f32,c=f16,o=f32")
+
+  @jax.jit
+  def scaled_step(params, opt_state, x, y):
+    loss, grads = jmp_lite.scaled_value_and_grad(_loss, opt_state)(params, x, y)
+    params, opt_state = jmp_lite.update_and_apply(scaled_opt, grads, opt_state,
+                                                  params)
+    return params, opt_state, loss
+
+  p1, s1, l1 = f32_step(_params(), opt.init(_params()), x, y)
+  p2, s2, l2 = scaled_step(_params(), scaled_opt.init(_params()), x, y)
+  assert float(l1) == float(l2)
+  chex.assert_trees_all_close(p1, p2, rtol=1e-6)
+  assert float(jmp_lite.current_loss_scale(s2).loss_scale) == 2.0**15
+
+
+# ------------------------------------------------------------------ nnx
+
+
+def test_nnx_optimizer_state_gives_plain_arrays():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(3, 4, rngs=rngs)
+      self.l2 = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  model = Model(nnx.Rngs(0))
+  tx = jmp_lite.loss_scaled(optax.adam(1e-2),
+                            jmp_lite.DynamicLossScale(2.0**8, period=2))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  scale = jmp_lite.current_loss_scale(optimizer.opt_state)
+  assert isinstance(scale, jmp_lite.DynamicLossScale)
+  for leaf in jax.tree.leaves(scale) + jax.tree.leaves(
+      jmp_lite.loss_scaled_state(optimizer.opt_state)):
+    assert isinstance(leaf, (jax.Array, np.ndarray)), type(leaf)
+  assert float(scale.loss_scale) == 256.0
+
+  x, y = jnp.ones((5, 3)), jnp.zeros((5, 2))
+
+  def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  # The nnx way: nnx.Optimizer.update runs tx.update (the guard skips inside).
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = jmp_lite.scaled_value_and_grad(
+        loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(
+            model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  # update_and_apply on an nnx model: one cond, params and state donated.
+  @nnx.jit(donate_argnums=(0, 1))
+  def fused_step(model, optimizer, x, y):
+    loss, grads = jmp_lite.scaled_value_and_grad(
+        loss_fn, optimizer.opt_state, value_and_grad=nnx.value_and_grad)(
+            model, x, y)
+    params = nnx.state(model, nnx.Param)
+    params, opt_state = jmp_lite.update_and_apply(
+        optimizer.tx, grads, optimizer.opt_state, params)
+    nnx.update(model, params)
+    nnx.update(optimizer.opt_state, nnx.state(opt_state))
+    optimizer.step[...] += 1
+    return loss
+
+  losses = []
+  for fn in (step, fused_step):
+    for _ in range(2):
+      losses.append(float(fn(model, optimizer, x, y)))
+  assert losses == sorted(losses, reverse=True)
+  assert float(jmp_lite.current_loss_scale(
+      optimizer.opt_state).loss_scale) == 1024.0
+  before = jax.device_get(jax.tree.leaves(nnx.state(model, nnx.Param)))
+  fused_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+  chex.assert_trees_all_equal(
+      jax.device_get(jax.tree.leaves(nnx.state(model, nnx.Param))), before)
+  state = jmp_lite.loss_scaled_state(optimizer.opt_state)
+  assert int(state.total_skips) == 1 and not bool(state.last_finite)
+  assert isinstance(state.total_skips, jax.Array)
