@@ -7,6 +7,7 @@ written for ``jmp`` 0.0.4.
 from jmp_lite import dtypes as dtypes
 from jmp_lite import master as master
 from jmp_lite import path_rules as path_rules
+from jmp_lite import step as step
 from jmp_lite import struct as struct
 from jmp_lite._version import __version__ as __version__
 from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
@@ -44,6 +45,8 @@ from jmp_lite.policy import cast_to_full as cast_to_full
 from jmp_lite.policy import cast_to_half as cast_to_half
 from jmp_lite.policy import get_policy as get_policy
 from jmp_lite.policy import Policy as Policy
+from jmp_lite.step import scaled_value_and_grad as scaled_value_and_grad
+from jmp_lite.step import update_and_apply as update_and_apply
 from jmp_lite.transforms import current_loss_scale as current_loss_scale
 from jmp_lite.transforms import default_loss_scale as default_loss_scale
 from jmp_lite.transforms import loss_scaled as loss_scaled
@@ -97,9 +100,12 @@ __all__ = (
     "nonfinite_paths",
     "path_rules",
     "raise_if_halted",
+    "scaled_value_and_grad",
     "select_tree",
     "skip_nonfinite",
     "state_dtypes",
+    "step",
     "stochastic_rounding",
     "struct",
+    "update_and_apply",
 )
