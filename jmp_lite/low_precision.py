@@ -25,7 +25,7 @@ kernel: no random array is materialised and no key is passed per call.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,10 @@ class KahanState:
     inner_state: the wrapped optimizer's state.
   """
 
+  # Gradients reach ``inner`` unchanged: jmp_lite.update_and_apply may decide
+  # a guard inside up front (the skipped branch's -0.0 updates move nothing).
+  forwards_gradients: ClassVar[bool] = True
+
   compensation: Any
   inner_state: Any
 
@@ -67,6 +71,9 @@ class StochasticRoundingState:
       step's random bits, so a restored checkpoint continues the stream.
     inner_state: the wrapped optimizer's state.
   """
+
+  # Gradients reach ``inner`` unchanged (see KahanState).
+  forwards_gradients: ClassVar[bool] = True
 
   seed: Any
   count: Any
@@ -85,6 +92,9 @@ class StateDtypesState:
     count: with ``rounding="stochastic"``, applied steps so far (uint32
       scalar); else ``None``.
   """
+
+  # Gradients reach ``inner`` exactly upcast, finite exactly when they were.
+  forwards_gradients: ClassVar[bool] = True
 
   inner_state: Any
   seed: Any = None

@@ -1,0 +1,577 @@
+"""Tests for jmp_lite.low_precision: Kahan, stochastic rounding, state dtypes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+HALF = [jnp.bfloat16, jnp.float16]
+HALF_IDS = ["bf16", "f16"]
+
+
+def _ulp(x, dtype):
+  """The spacing of ``dtype`` at each value of ``x`` (float32)."""
+  h = jnp.asarray(x).astype(dtype)
+  up = jnp.nextafter(h, jnp.asarray(jnp.inf, dtype))
+  return (up.astype(jnp.float32) - h.astype(jnp.float32))
+
+
+def _run(opt, params, grads, steps, jit=True):
+  def step(p, s):
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+  step = jax.jit(step) if jit else step
+  state = opt.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def _tiny_problem(dtype, n=256):
+  rng = np.random.default_rng(0)
+  params = jnp.asarray(rng.uniform(0.5, 2.0, n), dtype)
+  grads = jnp.asarray(rng.uniform(0.2, 1.0, n), dtype)
+  return params, grads
+
+
+# ------------------------------------------------------------- kahan
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_plain_half_never_moves_kahan_tracks_float32(dtype, variant):
+  params, grads = _tiny_problem(dtype)
+  lr, steps = 1e-4, 300          # Every update is far below half an ulp.
+  ref = (params.astype(jnp.float32)
+         - steps * lr * grads.astype(jnp.float32))
+  plain, _ = _run(optax.sgd(lr), params, grads, steps)
+  chex.assert_trees_all_equal(plain, params)        # Stuck.
+  opt = jmp_lite.kahan_summation(optax.sgd(lr))
+  step = variant(lambda p, s: (lambda us: (optax.apply_updates(p, us[0]),
+                                           us[1]))(opt.update(grads, s, p)))
+  p, state = params, opt.init(params)
+  for _ in range(steps):
+    p, state = step(p, state)
+  assert_dtype(p, dtype)
+  assert_dtype(state.compensation, dtype)
+  ulp = _ulp(ref, dtype)
+  err = np.abs(np.asarray(p.astype(jnp.float32) - ref) / ulp)
+  assert err.max() <= 1.0, err.max()
+  total = p.astype(jnp.float32) + state.compensation.astype(jnp.float32)
+  assert np.abs(np.asarray(total - ref) / ulp).max() <= 0.5
+  # The plain run is off by several ulps on average.
+  assert np.mean(np.asarray(plain.astype(jnp.float32) - ref) / ulp) > 3
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_kahan_updates_land_exactly_on_the_compensated_sum(dtype):
+  rng = np.random.default_rng(3)
+  params = jnp.asarray(rng.standard_normal(512), dtype)
+  opt = jmp_lite.kahan_summation(optax.sgd(0.3))
+  state = opt.init(params)
+  for _ in range(5):   # Large, sign-changing updates: params cross zero.
+    grads = jnp.asarray(rng.standard_normal(512), dtype)
+    c = state.compensation
+    sgd_u, _ = optax.sgd(0.3).update(grads, optax.sgd(0.3).init(params))
+    s = params.astype(jnp.float32) + (sgd_u.astype(jnp.float32)
+                                      + c.astype(jnp.float32))
+    updates, state = opt.update(grads, state, params)
+    assert_dtype(updates, jnp.float32)
+    new = optax.apply_updates(params, updates)
+    assert_dtype(new, dtype)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(s.astype(dtype)))
+    np.testing.assert_array_equal(
+        np.asarray(state.compensation),
+        np.asarray((s - new.astype(jnp.float32)).astype(dtype)))
+    params = new
+
+
+def test_float32_leaves_pass_through_without_buffer():
+  params = {"w": jnp.ones(3), "h": jnp.ones(3, jnp.bfloat16),
+            "d": jnp.ones(2, jnp.float64) if jax.config.x64_enabled
+            else jnp.ones(2), "i": jnp.arange(3)}
+  inner = optax.multi_transform(
+      {"f": optax.sgd(0.1), "z": optax.set_to_zero()},
+      {"w": "f", "h": "f", "d": "f", "i": "z"})
+  grads = {"w": jnp.full(3, 0.7), "h": jnp.full(3, 0.7, jnp.bfloat16),
+           "d": jnp.full(2, 0.7), "i": jnp.zeros(3, jnp.int32)}
+  for opt in (jmp_lite.kahan_summation(inner),
+              jmp_lite.stochastic_rounding(inner)):
+    state = opt.init(params)
+    updates, _ = opt.update(grads, state, params)
+    want, _ = inner.update(grads, inner.init(params), params)
+    chex.assert_trees_all_equal(updates["w"], want["w"])
+    chex.assert_trees_all_equal(updates["d"], want["d"])
+    chex.assert_trees_all_equal(updates["i"], want["i"])
+    assert_dtype(updates["h"], jnp.float32)
+  state = jmp_lite.kahan_summation(inner).init(params)
+  assert state.compensation["w"] is None and state.compensation["i"] is None
+  assert_dtype(state.compensation["h"], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("make", [jmp_lite.kahan_summation,
+                                  jmp_lite.stochastic_rounding],
+                         ids=["kahan", "stochastic"])
+def test_update_without_params_raises(make):
+  opt = make(optax.sgd(0.1))
+  state = opt.init(jnp.ones(2, jnp.bfloat16))
+  with pytest.raises(ValueError, match="needs the current params"):
+    opt.update(jnp.ones(2, jnp.bfloat16), state)
+
+
+def test_bad_arguments_raise_clear_errors():
+  for make in (jmp_lite.kahan_summation, jmp_lite.stochastic_rounding):
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+      make(optax.sgd)  # The factory, not a transformation.
+  with pytest.raises(TypeError, match="seed must be an int"):
+    jmp_lite.stochastic_rounding(optax.sgd(0.1), seed=True)
+  with pytest.raises(ValueError, match=re.escape("seed must be in [0, 2**32)")):
+    jmp_lite.stochastic_rounding(optax.sgd(0.1), seed=-1)
+  with pytest.raises(ValueError, match="rounding must be one of"):
+    jmp_lite.state_dtypes(optax.adam(0.1), "bf16", rounding="up")
+  with pytest.raises(ValueError, match="Unknown dtype 'bf17'"):
+    jmp_lite.state_dtypes(optax.adam(0.1), "bf17")
+  with pytest.raises(TypeError, match="dtypes must be a floating dtype"):
+    jmp_lite.state_dtypes(optax.adam(0.1), jnp.int32)
+  with pytest.raises(ValueError, match="bad pattern '\\(mu'"):
+    jmp_lite.state_dtypes(optax.adam(0.1), {"(mu": "bf16"})
+  with pytest.raises(TypeError, match="pattern keys must be str"):
+    jmp_lite.state_dtypes(optax.adam(0.1), {1: "bf16"})
+  with pytest.raises(ValueError, match="mapping is empty"):
+    jmp_lite.state_dtypes(optax.adam(0.1), {})
+
+
+# ------------------------------------------------------- stochastic rounding
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_stochastic_rounding_is_unbiased_over_seeds(dtype):
+  params, grads = _tiny_problem(dtype, 128)
+  lr, steps, seeds = 1e-4, 100, 32
+  ref = params.astype(jnp.float32) - steps * lr * grads.astype(jnp.float32)
+  opt = jmp_lite.stochastic_rounding(optax.sgd(lr))
+
+  @jax.jit
+  def run(seed):
+    state = jmp_lite.struct.replace(opt.init(params),
+                                    seed=seed.astype(jnp.uint32))
+
+    def body(carry, _):
+      p, s = carry
+      u, s = opt.update(grads, s, p)
+      return (optax.apply_updates(p, u), s), None
+
+    (p, _), _ = jax.lax.scan(body, (params, state), None, length=steps)
+    return p
+
+  finals = jax.vmap(run)(jnp.arange(seeds))
+  assert_dtype(finals, dtype)
+  err = np.asarray((finals.astype(jnp.float32) - ref) / _ulp(ref, dtype))
+  # Each run wanders by a few ulps; their mean sits on the exact sum.
+  assert np.abs(err).max() > 1
+  assert abs(err.mean()) < 0.1, err.mean()
+  # Per element, the mean over seeds is within 4.5 standard errors of it.
+  z = err.mean(axis=0) / (err.std(axis=0, ddof=1) / np.sqrt(seeds))
+  assert np.abs(z).max() < 4.5, np.abs(z).max()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("fraction", [0.25, 0.7])
+def test_stochastic_rounding_rounds_up_with_the_dropped_fraction(dtype,
+                                                                 fraction):
+  n = 8192
+  # Normal values of both signs, and float16 subnormals (spacing 2**-24).
+  base = jnp.concatenate([jnp.full(n // 4, 1.5), jnp.full(n // 4, -0.75),
+                          jnp.full(n // 2, 0.0 if dtype == jnp.float16
+                                   else 3.0)]).astype(dtype)
+  ulp = _ulp(jnp.abs(base.astype(jnp.float32)), dtype)
+  grads = -fraction * ulp * jnp.sign(base.astype(jnp.float32) + 1e-30)
+  opt = jmp_lite.stochastic_rounding(optax.identity(), seed=7)
+  updates, _ = opt.update(grads, opt.init(base), base)
+  new = optax.apply_updates(base, updates).astype(jnp.float32)
+  moved = np.asarray(new != base.astype(jnp.float32))
+  # Away from zero by exactly one ulp, or not at all.
+  np.testing.assert_allclose(
+      np.asarray(jnp.abs(new - base.astype(jnp.float32)))[moved],
+      np.asarray(ulp)[moved], rtol=0)
+  for part in np.split(moved, [n // 4, n // 2]):
+    assert abs(part.mean() - fraction) < 0.04, (part.mean(), fraction)
+
+
+def test_fixed_seed_reproducible_and_bits_differ_across_seeds_leaves_steps():
+  n = 2048
+  params = {"a": jnp.ones(n, jnp.bfloat16), "b": jnp.ones(n, jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+
+  def moved(seed, steps):
+    opt = jmp_lite.stochastic_rounding(optax.sgd(1.0), seed=seed)
+    p, _ = _run(opt, params, grads, steps)
+    return jax.tree.map(lambda x: np.asarray(x != 1.0), p)
+
+  first, again = moved(3, 1), moved(3, 1)
+  chex.assert_trees_all_equal(first, again)
+  assert 0.1 < first["a"].mean() < 0.4    # 1e-3 is ~1/4 of an ulp below 1.
+  assert (first["a"] != first["b"]).mean() > 0.2      # Leaves differ.
+  assert (first["a"] != moved(4, 1)["a"]).mean() > 0.2  # Seeds differ.
+  # Steps differ: two steps do not move the same elements twice.
+  assert moved(3, 2)["a"].mean() > first["a"].mean()
+
+
+def test_bits_are_uniform():
+  from jmp_lite import low_precision as lp
+  bits = np.asarray(lp._random_bits(lp._step_key(jnp.uint32(0),
+                                                 jnp.uint32(5)), 2, (64, 256)))
+  # The 16 low and 16 high bits, each in 16 buckets: a chi-square test.
+  for chunk in (bits >> 16, bits & 0xFFFF):
+    counts = np.bincount((chunk >> 12).ravel(), minlength=16)
+    expected = bits.size / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 40, chi2     # 15 dof: p < 1e-3 above ~37.7.
+  assert len(np.unique(bits)) > 0.99 * bits.size
+
+
+# -------------------------------------------------------------- state_dtypes
+
+
+def test_state_dtypes_one_dtype_stores_arrays_not_scalars():
+  params = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.ones(2)}
+  opt = jmp_lite.state_dtypes(
+      optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), "bf16")
+  state = opt.init(params)
+  adam = state.inner_state.inner_state[0]
+  for tree in (adam.mu, adam.nu):
+    assert_dtype(tree["w"], jnp.bfloat16)
+    assert_dtype(tree["b"], jnp.bfloat16)
+  assert_dtype(adam.count, jnp.int32)
+  assert_dtype(state.inner_state.hyperparams["learning_rate"], jnp.float32)
+  assert state.seed is None and state.count is None
+  grads = {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.ones(2)}
+  updates, new = jax.jit(opt.update)(grads, state, params)
+  assert_dtype(updates["w"], jnp.float32)  # Computed in float32.
+  chex.assert_trees_all_equal_dtypes(new, state)
+
+
+def test_state_dtypes_mapping_fullmatch_unmatched_stay_and_strict():
+  params = {"w": jnp.ones(4, jnp.bfloat16)}
+  opt = jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16",
+                                                 "0/nu/w": "f16"})
+  adam = opt.init(params).inner_state[0]
+  assert_dtype(adam.mu["w"], jnp.bfloat16)
+  assert_dtype(adam.nu["w"], jnp.float16)
+  # fullmatch: "mu" alone matches no path; unmatched leaves stay float32
+  # (inner computes on float32 params).
+  loose = jmp_lite.state_dtypes(optax.adam(1e-3), {"mu": "bf16"})
+  adam = loose.init(params).inner_state[0]
+  assert_dtype(adam.mu["w"], jnp.float32)
+  assert_dtype(adam.nu["w"], jnp.float32)
+  strict = jmp_lite.state_dtypes(optax.adam(1e-3), {"mu": "bf16"},
+                                 strict=True)
+  with pytest.raises(ValueError,
+                     match=r"pattern\(s\) \['mu'\] matched no floating state"
+                     r" leaf; the floating leaves are \['0/mu/w', '0/nu/w'\]"):
+    strict.init(params)
+
+
+def test_state_dtypes_computes_in_float32():
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal(64), jnp.bfloat16)}
+  opt = jmp_lite.state_dtypes(optax.adam(1e-2), "bf16")
+  ref = optax.adam(1e-2)
+  state = opt.init(params)
+  for _ in range(3):
+    grads = {"w": jnp.asarray(rng.standard_normal(64), jnp.bfloat16)}
+    f32_state = jax.tree.map(
+        lambda x: x.astype(jnp.float32)
+        if x.dtype == jnp.bfloat16 else x, state.inner_state)
+    want, want_state = ref.update(jmp_lite.cast_to_full(grads), f32_state,
+                                  jmp_lite.cast_to_full(params))
+    updates, state = opt.update(grads, state, params)
+    chex.assert_trees_all_equal(updates, want)
+    chex.assert_trees_all_equal(
+        state.inner_state,
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                     if x.dtype == jnp.float32 else x, want_state))
+
+
+def test_stochastic_state_rounding_follows_adam_second_moment():
+  # g = 1 each step: nu = 1 - 0.999**t. Nearest-rounded bfloat16 stalls once
+  # the 0.1% increment is below half an ulp; stochastic rounding does not.
+  params = jnp.zeros(512, jnp.bfloat16)
+  grads = jnp.ones(512, jnp.bfloat16)
+  steps = 1000
+  want = 1 - 0.999**steps
+  results = {}
+  for rounding in ("nearest", "stochastic"):
+    opt = jmp_lite.state_dtypes(optax.scale_by_adam(), "bf16",
+                                rounding=rounding, seed=1)
+    _, state = _run(opt, params, grads, steps)
+    nu = state.inner_state.nu
+    assert_dtype(nu, jnp.bfloat16)
+    results[rounding] = float(nu.astype(jnp.float32).mean())
+  assert results["nearest"] < 0.8 * want, results
+  assert abs(results["stochastic"] - want) < 0.02 * want, results
+
+
+# ----------------------------------------------------- composition and skips
+
+NOOP = jmp_lite.NoOpLossScale()
+
+
+def _compositions():
+  adam = optax.adam(1e-2)
+  ls = lambda inner: jmp_lite.loss_scaled(inner, NOOP, allow_half_state=True)
+  sn = jmp_lite.skip_nonfinite
+  kahan, sr = jmp_lite.kahan_summation, jmp_lite.stochastic_rounding
+  sd = lambda inner: jmp_lite.state_dtypes(inner, "bf16",
+                                           rounding="stochastic", seed=9)
+  return {
+      # Guard outside: it keeps our state.
+      "loss_scaled(kahan(state_dtypes))": ls(kahan(sd(adam))),
+      "skip_nonfinite(sr(state_dtypes))": sn(sr(sd(adam), seed=5)),
+      # Guard inside: its -0.0 updates and its state tell us.
+      "kahan(state_dtypes(loss_scaled))": kahan(sd(jmp_lite.loss_scaled(
+          adam, NOOP))),
+      "sr(state_dtypes(skip_nonfinite))": sr(sd(sn(adam)), seed=5),
+      "sr(accumulate(loss_scaled))": sr(jmp_lite.accumulate_gradients(
+          jmp_lite.loss_scaled(adam, NOOP, allow_half_state=True), 2)),
+  }
+
+
+def _params():
+  rng = np.random.default_rng(1)
+  return {"w": jnp.asarray(rng.standard_normal((8, 4)) * 0.3, jnp.bfloat16),
+          "b": jnp.asarray([-0.0, 0.0, 1.0, -1.0], jnp.bfloat16)}
+
+
+def _grads(i, bad=False):
+  rng = np.random.default_rng(100 + i)
+  g = {"w": jnp.asarray(rng.standard_normal((8, 4)) * 1e-2, jnp.bfloat16),
+       "b": jnp.asarray(rng.standard_normal(4) * 1e-3, jnp.bfloat16)}
+  if bad:
+    g["w"] = g["w"].at[1, 2].set(jnp.inf)
+  return g
+
+
+_GUARDS = (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState,
+           jmp_lite.AccumulateState)
+
+
+def _ours(state):
+  """Our states (buffers, seeds, counters, stored moments), guards removed.
+
+  A guard's own counters (skips, loss scale, micro-steps) move on a skipped
+  step by design; everything else must not.
+  """
+  while jmp_lite.struct.find_nodes(state, _GUARDS):
+    state = jax.tree.map(lambda n: n.inner_state if isinstance(n, _GUARDS)
+                         else n, state, is_leaf=lambda n: isinstance(n, _GUARDS))
+  kinds = (jmp_lite.KahanState, jmp_lite.StochasticRoundingState,
+           jmp_lite.StateDtypesState)
+  return [n for k in kinds for n in jmp_lite.struct.find_nodes(state, k)]
+
+
+@pytest.mark.parametrize("name", list(_compositions()))
+def test_skipped_step_is_bit_identical_and_stream_continues(name):
+  opt = _compositions()[name]
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = _params()
+  state = opt.init(params)
+  for i in range(4):
+    params, state = step(params, state, _grads(i))
+  before = (params, state)
+  skipped = step(params, state, _grads(99, bad=True))
+  chex.assert_trees_all_equal(skipped[0], params)
+  # Sign bits too (-0.0 stays -0.0).
+  assert np.signbit(np.asarray(skipped[0]["b"], np.float32)).tolist() == \
+      np.signbit(np.asarray(params["b"], np.float32)).tolist()
+  chex.assert_trees_all_equal(_ours(skipped[1]), _ours(state))
+  if "accumulate" in name:
+    # Counts optimizer steps (2 windows of 2), not micro-batches. A bad
+    # micro-batch shifts the windows, so the runs below would differ.
+    assert int(state.count) == 2
+    return
+  # The run with the skip continues exactly like the run without it.
+  p_skip, s_skip = skipped
+  p_none, s_none = before
+  for i in range(4, 8):
+    p_skip, s_skip = step(p_skip, s_skip, _grads(i))
+    p_none, s_none = step(p_none, s_none, _grads(i))
+  chex.assert_trees_all_equal(p_skip, p_none)
+  chex.assert_trees_all_equal(_ours(s_skip), _ours(s_none))
+  assert not jax.tree.all(jax.tree.map(
+      lambda a, b: bool((a == b).all()), p_none, before[0]))
+
+
+@pytest.mark.parametrize("name", [
+    "kahan(state_dtypes(loss_scaled))", "sr(state_dtypes(skip_nonfinite))"])
+def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
+  opt = _compositions()[name]
+  params = _params()
+  state = opt.init(params)
+  # Our wrappers hand the guard the gradients as they are: one lax.cond.
+  assert jmp_lite.step.formulation(state)[0] == "cond"
+  step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
+  plain = jax.jit(lambda p, s, g: (lambda us: (optax.apply_updates(
+      p, us[0]), us[1]))(opt.update(g, s, p)))
+  p_a, s_a = params, state
+  p_b, s_b = params, state
+  for i in range(3):
+    p_a, s_a = step(p_a, s_a, _grads(i))
+    p_b, s_b = plain(p_b, s_b, _grads(i))
+  chex.assert_trees_all_equal((p_a, _ours(s_a)), (p_b, _ours(s_b)))
+  skipped = step(p_a, s_a, _grads(99, bad=True))
+  chex.assert_trees_all_equal(skipped[0], p_a)
+  chex.assert_trees_all_equal(_ours(skipped[1]), _ours(s_a))
+  assert int(jmp_lite.struct.find_nodes(
+      skipped[1], (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState)
+  )[0].total_skips) == 1
+
+
+# ------------------------------------------- pytree, jit, checkpoint, memory
+
+
+def _all_three():
+  base = lambda: optax.adam(1e-2)
+  return {
+      "kahan": jmp_lite.kahan_summation(base()),
+      "stochastic": jmp_lite.stochastic_rounding(base(), seed=11),
+      "state_dtypes": jmp_lite.state_dtypes(base(), "bf16",
+                                            rounding="stochastic", seed=12),
+  }
+
+
+@pytest.mark.parametrize("name", list(_all_three()))
+def test_state_round_trips(name, tmp_path):
+  import orbax.checkpoint as ocp
+  opt = _all_three()[name]
+  params = _params()
+  state = opt.init(params)
+  _, state = opt.update(_grads(0), state, params)
+  leaves, treedef = jax.tree.flatten(state)
+  chex.assert_trees_all_equal(jax.tree.unflatten(treedef, leaves), state)
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x, state), state)
+  chex.assert_trees_all_equal(pickle.loads(pickle.dumps(state)), state)
+  jax.jit(lambda s: opt.update(_grads(1), s, params)).lower(state).compile()
+  shapes = jax.eval_shape(lambda s: opt.update(_grads(1), s, params)[1], state)
+  assert jax.tree.structure(shapes) == treedef
+  chex.assert_trees_all_equal_dtypes(shapes, state)
+
+  def body(s, g):
+    return opt.update(g, s, params)[1], None
+  stacked = jax.tree.map(lambda *x: jnp.stack(x), _grads(2), _grads(3))
+  final, _ = jax.lax.scan(body, state, stacked)
+  assert jax.tree.structure(final) == treedef
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "ckpt", state)
+    ckptr.wait_until_finished()
+    restored = ckptr.restore(tmp_path / "ckpt", opt.init(params))
+  chex.assert_trees_all_equal(restored, state)
+  chex.assert_trees_all_equal_dtypes(restored, state)
+
+
+def test_checkpoint_resume_continues_the_random_stream(tmp_path):
+  import orbax.checkpoint as ocp
+  opt = jmp_lite.stochastic_rounding(jmp_lite.state_dtypes(
+      optax.adam(1e-3), "bf16", rounding="stochastic", seed=3), seed=2)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def run(params, state, lo, hi):
+    for i in range(lo, hi):
+      params, state = step(params, state, _grads(i))
+    return params, state
+
+  p0 = _params()
+  full = run(p0, opt.init(p0), 0, 10)
+  half = run(p0, opt.init(p0), 0, 4)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "ckpt", half)
+    ckptr.wait_until_finished()
+    restored = ckptr.restore(tmp_path / "ckpt", (p0, opt.init(p0)))
+  assert int(restored[1].count) == 4
+  chex.assert_trees_all_equal(run(*restored, 4, 10), full)
+  # A fresh stream (count 0) would have rounded differently.
+  fresh = run(restored[0], opt.init(p0), 4, 10)
+  assert not np.array_equal(np.asarray(fresh[0]["w"]),
+                            np.asarray(full[0]["w"]))
+
+
+@pytest.mark.parametrize("name", list(_all_three()))
+def test_donated_step_no_aliasing_no_recompiles(name):
+  opt = _all_three()[name]
+  params = _params()
+  state = opt.init(params)
+  param_ptrs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
+  state_ptrs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)}
+  assert not param_ptrs & state_ptrs
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  for i in range(4):  # Warnings are errors: an unusable donation would fail.
+    params, state = step(params, state, _grads(i))
+  chex.assert_trees_all_equal_dtypes(params, _params())
+  if name == "stochastic":
+    assert int(state.count) == 4
+    # A new seed is a new leaf value, not a new compilation.
+    params, state = step(params, jmp_lite.struct.replace(
+        state, seed=jnp.uint32(77)), _grads(5))
+
+
+# --------------------------------------------------------- sharded, docs
+
+
+def test_sharded_runs_match_the_unsharded_run():
+  env = dict(os.environ, PYTHONPATH=str(ROOT),
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-W", "error",
+       str(ROOT / "tests" / "multidevice" / "low_precision_sharded.py")],
+      capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.splitlines() == [
+      "ok jit with sharded params equals unsharded",
+      "ok shard_map with specs equals unsharded",
+      "ok shard_map without specs repeats bits across shards",
+      "ok shard_map replicated params stay identical",
+  ], proc.stdout + proc.stderr
+
+
+def test_docs_page_python_blocks_run():
+  text = (ROOT / "docs" / "low_precision.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+  assert len(blocks) >= 3
+  namespace: dict = {}
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"docs/low_precision.md[python block {i}]", "exec"),
+         namespace)
