@@ -30,4 +30,7 @@ def test_every_device_skips_and_backs_off_together():
       "ok shard_map without axis_name diverges",
       "ok shard_map with axis_name",
       "ok pmap skip_nonfinite with axis_name",
+      "ok update_and_apply data-parallel donated jit",
+      "ok update_and_apply model-sharded master weights",
+      "ok update_and_apply shard_map with axis_name",
   ], proc.stdout + proc.stderr

@@ -148,6 +148,95 @@ def check_shard_map(axis_name):
   print("ok shard_map with axis_name")
 
 
+def check_update_and_apply_data_parallel():
+  """Donated update_and_apply step, NamedSharding: one device's NaN skips all."""
+  mesh = jax.make_mesh((8,), ("data",))
+  repl = NamedSharding(mesh, P())
+  opt = make_opt()
+  params = jax.device_put(init_params(), repl)
+  state = jax.device_put(opt.init(params), repl)
+  assert jmp_lite.step.formulation(state)[0] == "cond"
+
+  def step(params, state, x, y):
+    loss, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params, x, y)
+    params, state = jmp_lite.update_and_apply(opt, grads, state, params)
+    return params, state, loss
+
+  def reference(params, state, x, y):
+    _, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params, x, y)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  reference = jax.jit(reference)
+  x0, y = batch()
+  x = jax.device_put(x0, NamedSharding(mesh, P("data")))
+  y = jax.device_put(y, NamedSharding(mesh, P("data")))
+  want = reference(params, state, x, y)
+  params, state, loss = step(params, state, x, y)
+  chex.assert_trees_all_close((params, state), want, rtol=1e-6, atol=1e-8)
+  assert params["w"].sharding.is_equivalent_to(repl, 2)
+  bad_x = jax.device_put(x0.at[0, 0].set(jnp.inf),
+                         NamedSharding(mesh, P("data")))
+  before = jax.device_get((params, state.inner_state))
+  params, state, _ = step(params, state, bad_x, y)
+  chex.assert_trees_all_equal((params, state.inner_state), before)
+  assert float(state.loss_scale.loss_scale) == 2.0**9
+  assert int(state.total_skips) == 1
+  print("ok update_and_apply data-parallel donated jit")
+
+
+def check_update_and_apply_model_sharded():
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  shardings = {"w": NamedSharding(mesh, P(None, "model")),
+               "v": NamedSharding(mesh, P("model", None))}
+  opt = jmp_lite.master_weights(make_opt())
+  params = jax.tree.map(jax.device_put, init_params(), shardings)
+  state = opt.init(params)
+  step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p),
+                 donate_argnums=(0, 1))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0**10 * 1e-3), params)
+  bad = jax.device_put(grads["w"].at[3, 20].set(jnp.nan), shardings["w"])
+  before = jax.device_get(params)
+  params, state = step(params, state, dict(grads, w=bad))
+  chex.assert_trees_all_equal(params, before)
+  assert int(jmp_lite.loss_scaled_state(state).total_skips) == 1
+  assert params["w"].sharding.is_equivalent_to(shardings["w"], 2)
+  params, state = step(params, state, grads)
+  assert float(jnp.abs(params["w"] - before["w"]).max()) > 0
+  assert params["v"].sharding.is_equivalent_to(shardings["v"], 2)
+  print("ok update_and_apply model-sharded master weights")
+
+
+def check_update_and_apply_shard_map():
+  mesh = jax.make_mesh((8,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  opt = make_opt("data")
+
+  def local(params, state, x, y):
+    _, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params, x, y)
+    bad = jax.lax.axis_index("data") == 3
+    grads = jax.tree.map(lambda g: jnp.where(bad, jnp.inf, g), grads)
+    params, state = jmp_lite.update_and_apply(opt, grads, state, params)
+    stacked = lambda t: jax.tree.map(lambda a: a[None], t)
+    return stacked(params), stacked(state)
+
+  step = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+      out_specs=(P("data"), P("data")), check_vma=False))
+  params = init_params()
+  state = opt.init(params)
+  assert jmp_lite.step.formulation(state)[0] == "cond"
+  all_params, all_states = step(params, state, *batch())
+  assert (np.asarray(all_states.loss_scale.loss_scale) == 2.0**9).all()
+  assert (np.asarray(all_states.total_skips) == 1).all()
+  for leaf, ref in zip(jax.tree.leaves(all_params), jax.tree.leaves(params)):
+    for i in range(8):
+      np.testing.assert_array_equal(np.asarray(leaf[i]), np.asarray(ref))
+  print("ok update_and_apply shard_map with axis_name")
+
+
 def check_skip_nonfinite_pmap():
   opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), axis_name="i")
   params = jnp.ones((8, 4))
@@ -171,3 +260,6 @@ if __name__ == "__main__":
   check_shard_map(None)
   check_shard_map("data")
   check_skip_nonfinite_pmap()
+  check_update_and_apply_data_parallel()
+  check_update_and_apply_model_sharded()
+  check_update_and_apply_shard_map()
