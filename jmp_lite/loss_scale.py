@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
+import jax.core  # Imported explicitly so that type checkers see it.
 import jax.numpy as jnp
 import numpy as np
 
@@ -186,7 +187,7 @@ class NoOpLossScale:
     """
     return tree
 
-  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+  def adjust(self, grads_finite: Any) -> NoOpLossScale:
     """Returns ``self``: a no-op scale never changes.
 
     Args:
@@ -225,7 +226,7 @@ class StaticLossScale(_MultiplyingScale):
     _check_positive_finite(scale, "loss_scale")
     object.__setattr__(self, "loss_scale", scale)
 
-  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+  def adjust(self, grads_finite: Any) -> StaticLossScale:
     """Returns ``self``: a static scale never changes.
 
     Args:
@@ -302,18 +303,18 @@ class DynamicLossScale(_MultiplyingScale):
     for value, what in ((scale, "loss_scale"), (lo, "min_loss_scale"),
                         (hi, "max_loss_scale")):
       _check_positive_finite(value, what)
-    s, l, h = _concrete(scale), _concrete(lo), _concrete(hi)
-    if l is not None and h is not None and l > h:
+    s, low, high = _concrete(scale), _concrete(lo), _concrete(hi)
+    if low is not None and high is not None and low > high:
       raise ValueError(
-          f"min_loss_scale ({l}) must not exceed max_loss_scale ({h})"
+          f"min_loss_scale ({low}) must not exceed max_loss_scale ({high})"
       )
-    if s is not None and l is not None and s < l:
+    if s is not None and low is not None and s < low:
       raise ValueError(
-          f"loss_scale ({s}) is below min_loss_scale ({l})"
+          f"loss_scale ({s}) is below min_loss_scale ({low})"
       )
-    if s is not None and h is not None and s > h:
+    if s is not None and high is not None and s > high:
       raise ValueError(
-          f"loss_scale ({s}) is above max_loss_scale ({h}); pass a larger"
+          f"loss_scale ({s}) is above max_loss_scale ({high}); pass a larger"
           " max_loss_scale= to start there"
       )
     c = _concrete(counter)
@@ -332,7 +333,7 @@ class DynamicLossScale(_MultiplyingScale):
                         ("nonfinite_counter", nonfinite)):
       object.__setattr__(self, name, value)
 
-  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+  def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """Returns the next state, given whether this step's gradients were finite.
 
     Branch-free, so it fuses and never syncs with the host.
@@ -356,7 +357,11 @@ class DynamicLossScale(_MultiplyingScale):
     # The bounds are finite, so min()/max() keep the scale finite even when
     # scale * factor overflows float32.
     grown = jnp.minimum(scale * self.factor, self.max_loss_scale)
-    shrunk = jnp.maximum(scale * self.backoff_factor, self.min_loss_scale)
+    # __post_init__ stores the resolved factor; None (1 / factor) is handled
+    # here too so that the type is a float either way.
+    backoff = (1.0 / self.factor if self.backoff_factor is None
+               else self.backoff_factor)
+    shrunk = jnp.maximum(scale * backoff, self.min_loss_scale)
     new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
     new_counter = jnp.where(finite & ~grow, counter, 0)
     new_nonfinite = jnp.where(finite | back_off, 0, nonfinite)
@@ -368,5 +373,5 @@ class DynamicLossScale(_MultiplyingScale):
     )
 
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 """Any of the three loss-scale states (the name ``jmp`` users import)."""

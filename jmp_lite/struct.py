@@ -14,7 +14,7 @@ reaches.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, dataclass_transform, TypeVar
 
 import jax
 
@@ -23,15 +23,32 @@ _T = TypeVar("_T", bound=type)
 _STATIC = "jmp_lite.static"
 
 
-def field(*, static: bool = False, **kwargs: Any) -> Any:
+def field(
+    *,
+    static: bool = False,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    init: bool = True,
+    repr: bool = True,
+    hash: bool | None = None,
+    compare: bool = True,
+    metadata: Any = None,
+    kw_only: Any = dataclasses.MISSING,
+) -> Any:
   """Declares a dataclass field as a pytree leaf (default) or static metadata.
 
   Args:
     static: ``True`` for configuration (Python numbers, strings, dtypes) that is
       part of the pytree structure: it is hashed into ``jax.jit``'s cache key,
       so changing it recompiles. ``False`` for arrays, which become leaves.
-    **kwargs: forwarded to :func:`dataclasses.field` (``default``,
-      ``default_factory``, ``kw_only``, ...).
+    default: the field's default value.
+    default_factory: a zero-argument callable making the default.
+    init: whether ``__init__`` takes the field.
+    repr: whether ``__repr__`` shows the field.
+    hash: whether ``__hash__`` uses the field (``None``: as ``compare``).
+    compare: whether ``__eq__`` compares the field.
+    metadata: a mapping stored on the field (``static`` is added to it).
+    kw_only: whether ``__init__`` takes the field by keyword only.
 
   Returns:
     A :class:`dataclasses.Field` descriptor.
@@ -46,11 +63,19 @@ def field(*, static: bool = False, **kwargs: Any) -> Any:
     >>> jax.tree.leaves(Counter(3))
     [3]
   """
-  metadata = dict(kwargs.pop("metadata", None) or {})
+  metadata = dict(metadata or {})
   metadata[_STATIC] = static
-  return dataclasses.field(metadata=metadata, **kwargs)
+  # The parameters are spelt out (rather than **kwargs) so that type checkers,
+  # told by ``dataclass_transform`` that this is a field specifier, see which
+  # fields have defaults.
+  return dataclasses.field(
+      default=default, default_factory=default_factory, init=init, repr=repr,
+      hash=hash, compare=compare, metadata=metadata, kw_only=kw_only)
 
 
+# Tells type checkers (PEP 681) that decorated classes are frozen dataclasses
+# whose fields may be declared with :func:`field`.
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def dataclass(cls: _T) -> _T:
   """Makes ``cls`` a frozen dataclass registered as a pytree with key paths.
 
@@ -81,7 +106,8 @@ def dataclass(cls: _T) -> _T:
   keys = tuple(jax.tree_util.GetAttrKey(n) for n in data_names)
 
   def flatten_with_keys(obj):
-    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, data_names))
+    children = tuple((k, getattr(obj, n))
+                     for k, n in zip(keys, data_names, strict=True))
     return children, tuple(getattr(obj, n) for n in meta_names)
 
   def flatten(obj):
@@ -91,9 +117,9 @@ def dataclass(cls: _T) -> _T:
   def unflatten(meta, children):
     # Deliberately skips __init__/__post_init__: see the module docstring.
     obj = object.__new__(cls)
-    for name, value in zip(data_names, children):
+    for name, value in zip(data_names, children, strict=True):
       object.__setattr__(obj, name, value)
-    for name, value in zip(meta_names, meta):
+    for name, value in zip(meta_names, meta, strict=True):
       object.__setattr__(obj, name, value)
     return obj
 
@@ -153,7 +179,8 @@ def find_nodes(tree: Any, kind: type) -> list[Any]:
 
   Example:
     >>> import jmp_lite
-    >>> state = ({"a": jmp_lite.NoOpLossScale()}, [jmp_lite.StaticLossScale(2.0)])
+    >>> state = ({"a": jmp_lite.NoOpLossScale()},
+    ...          [jmp_lite.StaticLossScale(2.0)])
     >>> [type(n).__name__ for n in jmp_lite.struct.find_nodes(
     ...     state, jmp_lite.StaticLossScale)]
     ['StaticLossScale']
