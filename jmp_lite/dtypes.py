@@ -1,7 +1,13 @@
-"""Floating dtypes: names, aliases, parsing, and the backend's half dtype."""
+"""Floating dtypes: names, aliases, parsing, and the backend's half dtype.
+
+Also the one definition of which pytree leaves mixed-precision casts touch
+(:func:`is_floating_array`, :func:`is_inexact_array`) and which they must
+never enter (:func:`is_opaque`): every cast in jmp_lite goes through here.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -162,15 +168,74 @@ def to_floating_dtype(value: Any, what: str) -> np.dtype:
   return dtype
 
 
-def _is_floating(dtype: np.dtype) -> bool:
+def _is_extended(dtype: Any) -> bool:
+  # Typed PRNG keys (``key<fry>``) and other extended dtypes: numpy cannot
+  # even interpret them, and they are never numbers to cast or check.
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _is_floating(dtype: Any) -> bool:
+  if _is_extended(dtype):
+    return False
   return dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_opaque(x: Any) -> bool:
+  """True for nnx objects, which casts pass through whole.
+
+  Flax nnx objects (modules, ``Rngs``, containers) are pytrees, so
+  ``jax.tree.map`` would rebuild them: the caller's ``Rngs`` would stop
+  advancing and a module would be silently copied. jmp_lite's casts hand
+  them on as the very same objects. (A ``Variable`` inside a pytree of state,
+  such as an ``nnx.State`` of params, is cast by value; the adapters pass
+  variables given as call arguments through too, see :func:`is_live_state`.)
+  Detected without importing Flax.
+
+  Args:
+    x: any pytree node.
+
+  Returns:
+    Whether ``x`` is an nnx object.
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.dtypes.is_opaque({"w": 1.0})
+    False
+  """
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(x, nnx.Pytree)
+
+
+def is_live_state(x: Any) -> bool:
+  """True for state a model call must neither copy nor cast.
+
+  nnx objects and variables (the caller's ``Rngs`` must advance), and
+  Equinox's ``eqx.nn.State`` (batch statistics keep their dtype).
+
+  Args:
+    x: any pytree node.
+
+  Returns:
+    Whether ``x`` is such state.
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.dtypes.is_live_state([1.0])
+    False
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(x, (nnx.Pytree, nnx.Variable)):
+    return True
+  eqx_nn = sys.modules.get("equinox.nn")
+  return eqx_nn is not None and isinstance(x, eqx_nn.State)
 
 
 def is_floating_array(x: Any) -> bool:
   """True for numpy/JAX arrays (and numpy scalars) of a real floating dtype.
 
-  Python scalars, ``None``, integer, bool, complex and ``float0`` arrays and
-  arbitrary objects are not floating arrays: casts leave them alone.
+  Python scalars, ``None``, integer, bool, complex and ``float0`` arrays,
+  typed PRNG keys (any extended dtype) and arbitrary objects are not floating
+  arrays: casts leave them alone.
 
   Args:
     x: any pytree leaf.
@@ -185,7 +250,7 @@ def is_floating_array(x: Any) -> bool:
   """
   if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
     return False
-  return _is_floating(np.dtype(x.dtype))
+  return _is_floating(x.dtype)
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:
@@ -193,7 +258,8 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
 
   Leaves already in ``dtype`` are returned as they are (no copy, and no
   convert op in the jaxpr); numpy stays numpy, JAX stays JAX; every other
-  leaf passes through untouched.
+  leaf passes through untouched, and so do nnx objects (:func:`is_opaque`),
+  which are handed on as the very same objects.
 
   Args:
     tree: any pytree.
@@ -214,7 +280,7 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
       return x.astype(dtype)
     return x
 
-  return jax.tree.map(cast, tree)
+  return jax.tree.map(cast, tree, is_leaf=is_opaque)
 
 
 def is_inexact_array(x: Any) -> bool:
@@ -235,5 +301,6 @@ def is_inexact_array(x: Any) -> bool:
   """
   if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
     return False
-  dtype = np.dtype(x.dtype)
-  return dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.inexact)
+  if _is_extended(x.dtype):
+    return False
+  return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)

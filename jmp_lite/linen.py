@@ -1,32 +1,46 @@
 """Apply a precision policy to any ``flax.linen`` module without editing it.
 
 :func:`mixed_precision` wraps a module (a model you wrote, or one you import)
-in an object with the module's own ``init``/``apply`` signatures. Nothing in
-the module needs a ``dtype=`` argument:
+in a :class:`MixedPrecision` module: use it at the top (``init``/``apply``
+with the model's own signatures, ``method=`` included) or as a submodule of
+another model. Its params live exactly where the wrapped model's would.
 
-* **params** are stored in the param dtype and cast to the compute dtype when
-  the model is applied (the cast is part of the differentiated function, so
-  gradients come back in the param dtype);
-* **inputs** of every module call are cast to that module's compute dtype
-  (through ``flax.linen.intercept_methods``);
-* **outputs**: the root module's are cast to the policy's output dtype, a
-  module that has a rule of its own returns its rule's output dtype, and
-  every other module returns its compute dtype;
-* **mutable collections** (``batch_stats``) keep the dtype they were stored in.
+* **params** are stored in the param dtype and read in the compute dtype (the
+  cast is part of the differentiated function, so gradients come back in the
+  param dtype);
+* **Flax's own layers** (``Dense``, ``Conv``, ``Embed``, attention, norms,
+  RNN cells, ...) compute in their module's compute dtype *whatever their
+  ``dtype=``/``param_dtype=`` fields say*: Flax's example models pass
+  ``dtype=jnp.float32`` to every layer, and the policy overrides it. A rule is
+  how you keep a module in float32. Code you wrote that casts on its own
+  (``x.astype(jnp.float32)``) is run as written; :func:`dtype_report` flags
+  it;
+* **inputs** of every module call are cast to that module's compute dtype,
+  and **outputs** to its output dtype (see :mod:`jmp_lite.rules`; a carry
+  keeps its dtype, so ``nn.RNN`` and ``nn.scan`` bodies type-check);
+* **mutable collections** (``batch_stats``, caches) keep the dtype they were
+  stored in.
 
 Rules give modules other policies: ``(nn.LayerNorm, "f32")`` by class, or
 ``("decoder/logits", "f32")`` by path (``re.fullmatch`` on the ``/``-joined
-module path). The first matching rule wins; a module without a match inherits
-the policy of its nearest ancestor that has one (ancestors found by path, so
-``nn.scan``/``nn.remat``/``nn.jit``-lifted modules behave like the others).
-By default normalisation layers are float32 islands.
+module path, relative to the wrapped model). The first matching rule wins; a
+module without a match inherits its nearest ancestor's. By default
+normalisation layers are float32 islands.
+
+How: every module call goes through ``flax.linen.intercept_methods``; while a
+Flax layer runs, its ``dtype``/``param_dtype`` fields are set on Flax's
+per-call bound copy of it (never on your module objects) and restored after.
+Params are cast by ``flax.linen.map_variables``, which needs each module
+path's class up front: the first call with new shapes traces the model
+abstractly once to learn them, and remembers them for later calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import re
-from typing import Any, Callable, Iterable, Sequence
+import threading
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -34,141 +48,48 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.diagnostics import tree_bytes
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite import report as _report
+from jmp_lite import rules as _rules
+from jmp_lite.policy import Policy
+from jmp_lite.report import DtypeReport, ReportRow
+from jmp_lite.rules import FLOAT32, Rule
 
 NORM_LAYERS: tuple[type, ...] = (nn.LayerNorm, nn.BatchNorm, nn.RMSNorm,
-                                 nn.GroupNorm)
+                                 nn.GroupNorm, nn.InstanceNorm)
 """The layers kept in float32 by default (Paddle O2, Apex keep_batchnorm_fp32)."""
 
-Matcher = Any  # A flax Module subclass, a tuple of them, a str or re.Pattern.
+Path = tuple[str, ...]
+
+__all__ = ["DtypeReport", "FLOAT32", "MixedPrecision", "NORM_LAYERS",
+           "ReportRow", "Rule", "dot_product_attention_fp32", "dtype_report",
+           "mixed_precision"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  """Gives the modules that match ``matcher`` their own policy.
+def _is_flax_layer(module: nn.Module) -> bool:
+  """Whether ``module`` is (a subclass of) one of Flax's own dtype'd layers."""
+  fields = getattr(type(module), "__dataclass_fields__", {})
+  if "dtype" not in fields:
+    return False
+  return any(c.__module__.startswith("flax.linen.") for c in type(module).__mro__
+             if c is not nn.Module and issubclass(c, nn.Module))
 
-  Attributes:
-    matcher: a ``flax.linen.Module`` subclass (or tuple of them), matched with
-      ``isinstance``; or a path pattern (``str`` or ``re.Pattern``), matched
-      with ``re.fullmatch`` against the ``/``-joined module path.
-    policy: the :class:`~jmp_lite.Policy` (or policy string) for them.
 
-  Example:
-    >>> import flax.linen as nn, jmp_lite.linen
-    >>> rule = jmp_lite.linen.Rule(nn.LayerNorm, "f32")
-    >>> str(rule.policy)
-    'p=f32,c=f32,o=f32'
+@contextlib.contextmanager
+def _fields_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
+  """Sets dataclass fields of a bound module for one call, then restores them.
+
+  The module is Flax's bound copy made for this ``init``/``apply`` (Flax
+  clones every module when it binds it), so nothing a user holds changes.
   """
-
-  matcher: Matcher
-  policy: Any
-
-  def __post_init__(self) -> None:
-    m = self.matcher
-    if isinstance(m, str):
-      try:
-        m = re.compile(m)
-      except re.error as e:
-        raise ValueError(f"Bad module path pattern {self.matcher!r}: {e}") from None
-    elif isinstance(m, type):
-      m = (m,)
-    if isinstance(m, tuple):
-      bad = [c for c in m if not (isinstance(c, type) and issubclass(
-          c, _module_bases()))]
-      if bad or not m:
-        raise TypeError(
-            f"Rule matcher classes must be flax.linen.Module (or flax.nnx."
-            f"Module) subclasses, got {bad or m!r}"
-        )
-    elif not isinstance(m, re.Pattern):
-      raise TypeError(
-          "Rule matcher must be a flax.linen.Module subclass, a tuple of them,"
-          f" or a path pattern (str / re.Pattern); got {type(m).__name__}:"
-          f" {m!r}"
-      )
-    policy = self.policy
-    if isinstance(policy, str):
-      policy = get_policy(policy)
-    if not isinstance(policy, Policy):
-      raise TypeError(
-          f"Rule policy must be a jmp_lite.Policy or policy string, got"
-          f" {policy!r}"
-      )
-    object.__setattr__(self, "matcher", m)
-    object.__setattr__(self, "policy", policy)
-
-  def matches(self, path: tuple[str, ...], cls: type) -> bool:
-    """Whether the module at ``path`` of class ``cls`` matches.
-
-    Args:
-      path: the module path, e.g. ``("encoder", "Dense_0")``.
-      cls: the module's class.
-
-    Returns:
-      The match.
-    """
-    if isinstance(self.matcher, re.Pattern):
-      return self.matcher.fullmatch("/".join(path)) is not None
-    return issubclass(cls, self.matcher)
-
-  def describe(self) -> str:
-    """A short text for error messages and reports."""
-    if isinstance(self.matcher, re.Pattern):
-      return f"path {self.matcher.pattern!r} -> {self.policy}"
-    names = ", ".join(c.__name__ for c in self.matcher)
-    return f"class {names} -> {self.policy}"
-
-
-def _module_bases() -> tuple[type, ...]:
-  from flax import nnx  # Local: nnx is only needed when nnx rules are used.
-  return (nn.Module, nnx.Module)
-
-
-def _to_rules(rules: Iterable[Any]) -> tuple[Rule, ...]:
-  out = []
-  for r in rules:
-    if isinstance(r, Rule):
-      out.append(r)
-    elif isinstance(r, tuple) and len(r) == 2:
-      out.append(Rule(*r))
-    else:
-      raise TypeError(
-          f"Each rule must be a jmp_lite.linen.Rule or a (matcher, policy)"
-          f" pair, got {r!r}"
-      )
-  return tuple(out)
-
-
-@dataclasses.dataclass
-class _Resolver:
-  """Per-call bookkeeping: path -> class, and the policy each path resolves to.
-
-  Lives only for one init/apply call (never module-level state).
-  """
-
-  default: Policy
-  rules: tuple[Rule, ...]
-  classes: dict[tuple[str, ...], type] = dataclasses.field(default_factory=dict)
-  used: set[int] = dataclasses.field(default_factory=set)
-  depth: int = 0  # Nesting of intercepted calls: 0 is the root call.
-
-  def own_rule(self, path: tuple[str, ...]) -> Rule | None:
-    cls = self.classes.get(path)
-    if cls is None:
-      return None
-    for i, rule in enumerate(self.rules):
-      if rule.matches(path, cls):
-        self.used.add(i)
-        return rule
-    return None
-
-  def policy_for(self, path: tuple[str, ...]) -> Policy:
-    for n in range(len(path), -1, -1):
-      rule = self.own_rule(path[:n])
-      if rule is not None:
-        return rule.policy
-    return self.default
+  fields = getattr(type(module), "__dataclass_fields__", {})
+  old = {k: getattr(module, k) for k in values if k in fields}
+  for k in old:
+    object.__setattr__(module, k, values[k])
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      object.__setattr__(module, k, v)
 
 
 def _is_real_call(context: Any) -> bool:
@@ -176,177 +97,400 @@ def _is_real_call(context: Any) -> bool:
   return not (name == "setup" or name.startswith("<"))
 
 
-def _interceptor(resolver: _Resolver,
-                 record: Callable[..., None] | None = None) -> Callable:
+@dataclasses.dataclass
+class _Call:
+  """Bookkeeping for one traced call of a :class:`MixedPrecision` (not shared).
+
+  Attributes:
+    rule_set: the policy and rules.
+    root: the wrapped model's absolute module path.
+    classes: relative module path -> class, as seen (or discovered).
+    resolved: relative path -> resolution, filled lazily from ``classes``.
+    initializing: whether params are being created.
+    remat_norms: recompute float32 islands in the backward pass.
+    recorder: set when tracing for a :func:`dtype_report`.
+  """
+
+  rule_set: _rules.RuleSet
+  root: Path
+  classes: dict[Path, type]
+  initializing: bool
+  remat_norms: bool = False
+  recorder: _report.Recorder | None = None
+  resolved: dict[Path, _rules.Resolved] = dataclasses.field(
+      default_factory=dict)
+  rematting: set[Path] = dataclasses.field(default_factory=set)
+  boundaries: set[Path] = dataclasses.field(default_factory=set)
+  root_depth: int = 0  # Nesting of root calls: only the outermost casts out.
+
+  def relative(self, module: nn.Module) -> Path | None:
+    """The path of ``module`` relative to the wrapped root, or ``None``."""
+    path = tuple(module.path)
+    if path[:len(self.root)] != self.root:
+      return None
+    rel = path[len(self.root):]
+    if self.under_boundary(rel):
+      return None
+    return rel
+
+  def under_boundary(self, path: Path) -> bool:
+    """Whether ``path`` belongs to a nested :class:`MixedPrecision`."""
+    return any(path[:len(b)] == b for b in self.boundaries)
+
+  def policy_at(self, path: Path) -> Policy:
+    """The policy of ``path``: its own class's, else its nearest ancestor's."""
+    for n in range(len(path), -1, -1):
+      if path[:n] in self.classes:
+        return self.resolve(path[:n], self.classes[path[:n]]).policy
+    return self.rule_set.default
+
+  def resolve(self, path: Path, cls: type) -> _rules.Resolved:
+    """The resolution of ``path``, from the classes of it and its ancestors."""
+    if path not in self.resolved or self.classes.get(path) is not cls:
+      self.classes[path] = cls
+      chain = {p: c for p, c in self.classes.items() if path[:len(p)] == p}
+      self.resolved[path] = self.rule_set.resolve(chain)[path]
+    return self.resolved[path]
+
+
+def _creation_dtype(policy: Policy) -> np.dtype:
+  # Params are drawn in (at least) float32 and then stored in the param
+  # dtype, so that every policy starts from the same (rounded) weights.
+  return np.dtype(jnp.promote_types(policy.param_dtype, jnp.float32))
+
+
+def _interceptor(call: _Call) -> Callable[..., Any]:
   def intercept(next_fun, args, kwargs, context):
+    module = context.module
     if not _is_real_call(context):
       return next_fun(*args, **kwargs)
-    module = context.module
-    path = tuple(module.path)
-    is_root = resolver.depth == 0
-    resolver.classes.setdefault(path, type(module))
-    policy = resolver.policy_for(path)
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-    resolver.depth += 1
+    path = call.relative(module)
+    if path is None:
+      return next_fun(*args, **kwargs)
+    resolved = call.resolve(path, type(module))
+    policy = resolved.policy
+    cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
+                                                policy.compute_dtype)
+    if isinstance(module, MixedPrecision):
+      # A nested policy: hand it inputs in our compute dtype; it casts its
+      # outputs itself and its modules follow its own rules.
+      call.boundaries.add(path)
+      return next_fun(*cast_args, **cast_kwargs)
+    if path in call.rematting:
+      # The inner call of a recomputed island: the outer call cast already.
+      call.rematting.discard(path)
+      return _run_layer(call, module, policy, next_fun, args, kwargs)
+    scope = (call.recorder.scope(path, type(module), policy)
+             if call.recorder is not None else contextlib.nullcontext())
+    output = resolved.output
+    if not path:
+      # The root's own methods calling each other stay in compute dtype.
+      output = output if call.root_depth == 0 else policy.compute_dtype
+      call.root_depth += 1
     try:
-      out = next_fun(*args, **kwargs)
+      with scope:
+        if (call.remat_norms and not call.initializing
+            and call.rule_set.is_island(resolved.rule)):
+          call.rematting.add(path)
+          method = context.method_name
+          out = nn.remat(lambda m, *a, **k: getattr(m, method)(*a, **k))(
+              module, *cast_args, **cast_kwargs)
+        else:
+          out = _run_layer(call, module, policy, next_fun, cast_args,
+                           cast_kwargs)
+        out = _rules.cast_outputs(out, output, args)
     finally:
-      resolver.depth -= 1
-    rule = resolver.own_rule(path)
-    if is_root:
-      out = resolver.default.cast_to_output(out)
-    elif rule is not None:
-      out = rule.policy.cast_to_output(out)
-    else:
-      # A no-op in apply; in init (params not yet cast) it keeps dtypes the
-      # same as in apply, which lax.scan carries require.
-      out = policy.cast_to_compute(out)
-    if record is not None:
-      record(path, type(module), policy, args, kwargs, out,
-             dict(module.variables.get("params", {})))
+      if not path:
+        call.root_depth -= 1
+    if call.recorder is not None:
+      own = {k: v for k, v in module.variables.get("params", {}).items()
+             if not isinstance(v, Mapping)}
+      call.recorder.call(path, type(module), policy, (cast_args, cast_kwargs),
+                         out, own)
     return out
 
   return intercept
 
 
-def _cast_params(params: Any, resolver: _Resolver, which: str) -> Any:
-  """Casts each param to its module's param or compute dtype."""
+def _run_layer(call: _Call, module: nn.Module, policy: Policy,
+               next_fun: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+  if not _is_flax_layer(module):
+    return next_fun(*args, **kwargs)
+  values = {"dtype": policy.compute_dtype,
+            "param_dtype": _creation_dtype(policy)}
+  with _fields_set(module, values):
+    return next_fun(*args, **kwargs)
 
-  def cast(path, leaf):
-    names = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+
+def _cast_params(params: Any, call: _Call, which: str) -> Any:
+  """Casts each param to its module's param (or compute) dtype, by path."""
+
+  def cast(path: Any, leaf: Any) -> Any:
+    if not _dtypes.is_floating_array(leaf):
+      return leaf
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
     module_path = names[:-1]  # The last key names the param itself.
-    policy = resolver.policy_for(module_path)
+    if call.under_boundary(module_path):
+      return leaf  # A nested policy casts its own params.
+    policy = call.policy_at(module_path)
     dtype = policy.param_dtype if which == "param" else policy.compute_dtype
-    if _dtypes.is_floating_array(leaf) and leaf.dtype != dtype:
-      return leaf.astype(dtype)
-    return leaf
+    return leaf if leaf.dtype == dtype else leaf.astype(dtype)
 
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _restore_dtypes(new: Any, old: Any) -> Any:
-  """Casts mutated collections back to the dtypes they were stored in."""
-  old_dtypes = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(old)[0]:
-    if hasattr(leaf, "dtype"):
-      old_dtypes[jax.tree_util.keystr(path)] = leaf.dtype
+  """Casts written collections back to the dtypes they were stored in."""
+  old_dtypes = {jax.tree_util.keystr(p): x.dtype
+                for p, x in jax.tree_util.tree_flatten_with_path(old)[0]
+                if _dtypes.is_floating_array(x)}
 
-  def cast(path, leaf):
+  def cast(path: Any, leaf: Any) -> Any:
     dtype = old_dtypes.get(jax.tree_util.keystr(path))
-    if dtype is not None and _dtypes.is_floating_array(leaf) and leaf.dtype != dtype:
+    if (dtype is not None and _dtypes.is_floating_array(leaf)
+        and leaf.dtype != dtype):
       return leaf.astype(dtype)
     return leaf
 
   return jax.tree_util.tree_map_with_path(cast, new)
 
 
-FLOAT32 = Policy(jnp.float32, jnp.float32, jnp.float32)
+class _Memo:
+  """Per-model memo of discovered module classes (compares equal to all).
+
+  A field of :class:`MixedPrecision` so that Flax's clones share it; it does
+  not take part in comparisons or hashing, which Flax's lifted transforms do.
+  """
+
+  def __init__(self) -> None:
+    self.classes: dict[Any, tuple[dict[Path, type], set[Path]]] = {}
+    self.lock = threading.Lock()
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Memo)
+
+  def __hash__(self) -> int:
+    return 0
+
+  def __repr__(self) -> str:
+    return "_Memo()"
+
+  def __reduce__(self) -> Any:
+    return (_Memo, ())
 
 
-@dataclasses.dataclass(frozen=True)
-class MixedPrecision:
+def _aval_key(tree: Any) -> Any:
+  """A hashable key of ``tree``'s structure, shapes, dtypes and static leaves."""
+  leaves, treedef = jax.tree.flatten(tree)
+  key = []
+  for x in leaves:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      key.append((tuple(x.shape), str(x.dtype)))
+    else:
+      try:
+        hash(x)
+      except TypeError:
+        return None  # Unhashable static argument: do not memoise.
+      key.append(("static", type(x), x))
+  return treedef, tuple(key)
+
+
+def _call_method(method: Any) -> Callable[..., Any]:
+  """``method`` (None, a name, or a function of the module) as a function."""
+  if method is None:
+    return lambda m, *a, **k: m(*a, **k)
+  if isinstance(method, str):
+    return lambda m, *a, **k: getattr(m, method)(*a, **k)
+  if callable(method):
+    return method
+  raise TypeError(
+      f"method must be None, a method name or a function taking the module,"
+      f" got {method!r}")
+
+
+class MixedPrecision(nn.Module):
   """A ``flax.linen`` module under a precision policy; see :func:`mixed_precision`.
+
+  Use it like the module it wraps: ``init``/``apply`` take the same arguments
+  (``method=``, ``rngs=``, ``mutable=``), or call it inside another module's
+  ``setup``/``nn.compact`` as a submodule.
 
   Attributes:
     module: the wrapped module (unchanged).
-    policy: the default policy.
-    rules: per-class and per-path rules, first match wins; the float32
-      normalisation islands come after the user's rules.
-    strict: if true, every user rule must match some module.
-    enabled: if false, everything runs in float32.
+    rule_set: the default policy and the rules.
+    remat_norms: recompute float32 normalisation islands in the backward pass
+      instead of saving their float32 internals.
   """
 
   module: nn.Module
-  policy: Policy
-  rules: tuple[Rule, ...]
-  strict: bool
-  enabled: bool
-  n_user_rules: int
+  rule_set: _rules.RuleSet
+  remat_norms: bool = False
+  memo: _Memo = dataclasses.field(default_factory=_Memo)
 
-  def _resolver(self) -> _Resolver:
-    if not self.enabled:
-      return _Resolver(FLOAT32, ())
-    return _Resolver(self.policy, self.rules)
+  def setup(self) -> None:
+    # The wrapped model's variables live where they would without us.
+    nn.share_scope(self, self.module)
 
-  def _discover(self, variables: Any, args: tuple, kwargs: dict,
-                method: Any, rngs: Any) -> _Resolver:
-    """Traces the model once (abstractly) to learn each module path's class."""
-    resolver = self._resolver()
-    # Inputs are closed over, not traced: Python flags such as
-    # `deterministic` must stay Python values.
-    with nn.intercept_methods(_interceptor(resolver)):
-      jax.eval_shape(
-          lambda v: self.module.apply(v, *args, rngs=rngs, method=method,
-                                      mutable=True, **kwargs),
-          variables)
-    self._check_strict(resolver)
-    return resolver
+  @property
+  def policy(self) -> Policy:
+    """The default policy."""
+    return self.rule_set.default
 
-  def _check_strict(self, resolver: _Resolver) -> None:
-    if not (self.strict and self.enabled):
-      return
-    unused = [self.rules[i].describe() for i in range(self.n_user_rules)
-              if i not in resolver.used]
-    if unused:
-      seen = ", ".join(
-          f"{'/'.join(p) or '<root>'} ({c.__name__})"
-          for p, c in sorted(resolver.classes.items()))
-      raise ValueError(
-          f"strict=True: rule(s) matched no module: {unused}; modules seen:"
-          f" {seen}"
-      )
+  @property
+  def rules(self) -> tuple[Rule, ...]:
+    """The rules, the user's first, then the float32 islands."""
+    return self.rule_set.rules
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    """Calls the wrapped module's ``__call__`` under the policy."""
+    return self._run(None, args, kwargs)
+
+  def _run(self, method: Any, args: tuple, kwargs: dict,
+           recorder: _report.Recorder | None = None) -> Any:
+    fn = _call_method(method)
+    call = _Call(self.rule_set, tuple(self.path), {},
+                 self.is_initializing(), self.remat_norms, recorder)
+    if call.initializing:
+      def trans_out(variables: Any) -> Any:
+        variables = dict(variables)
+        if "params" in variables:
+          variables["params"] = _cast_params(variables["params"], call,
+                                             "param")
+        return variables
+
+      def trans_in(variables: Any) -> Any:
+        variables = dict(variables)
+        if "params" in variables:
+          variables["params"] = _cast_params(variables["params"], call,
+                                             "compute")
+        return variables
+
+      mapped = nn.map_variables(
+          lambda m, *a, **k: self._intercepted(call, fn, m, a, k),
+          "params", trans_in_fn=trans_in, trans_out_fn=trans_out, init=True,
+          mutable=True)
+      out = mapped(self.module, *args, **kwargs)
+      self.rule_set.check_strict(call.classes)
+      return out
+    call.classes, call.boundaries = self._discover(method, args, kwargs)
+    stored = self.variables
+
+    def cast_in(variables: Any) -> Any:
+      variables = dict(variables)
+      if "params" in variables:
+        variables["params"] = _cast_params(variables["params"], call,
+                                           "compute")
+      return variables
+
+    def restore_out(variables: Any) -> Any:
+      return {k: _restore_dtypes(v, stored.get(k, {}))
+              for k, v in dict(variables).items()}
+
+    mutable = [c for c in stored if c != "params"
+               and self.is_mutable_collection(c)]
+    inner = lambda m, *a, **k: self._intercepted(call, fn, m, a, k)
+    if mutable:
+      inner = nn.map_variables(inner, mutable, trans_in_fn=lambda v: v,
+                               trans_out_fn=restore_out, mutable=True)
+    mapped = nn.map_variables(inner, "params", trans_in_fn=cast_in)
+    return mapped(self.module, *args, **kwargs)
+
+  def _intercepted(self, call: _Call, fn: Callable[..., Any], module: Any,
+                   args: tuple, kwargs: dict) -> Any:
+    with nn.intercept_methods(_interceptor(call)):
+      return fn(module, *args, **kwargs)
+
+  def _discover(self, method: Any, args: tuple, kwargs: dict
+                ) -> tuple[dict[Path, type], set[Path]]:
+    """Each module path's class, from one abstract trace (memoised)."""
+    variables = self.variables
+    key = (method if isinstance(method, (str, type(None))) else id(method),
+           _aval_key(dict(variables)), _aval_key((args, kwargs)))
+    if None in key[1:]:
+      key = None
+    with self.memo.lock:
+      if key is not None and key in self.memo.classes:
+        classes, boundaries = self.memo.classes[key]
+        return dict(classes), set(boundaries)
+    fn = _call_method(method)
+    call = _Call(self.rule_set, (), {}, False)
+    rng_names = list(getattr(self.scope, "rngs", {}) or {})
+    module = self.module.clone(parent=None)
+
+    def trace(v: Any, a: tuple, k: dict) -> Any:
+      with nn.intercept_methods(_interceptor(call)):
+        return module.apply(v, *a, method=lambda m, *a2, **k2: fn(m, *a2, **k2),
+                            rngs={n: jax.random.key(0) for n in rng_names},
+                            mutable=True, **k)
+
+    # Arrays are traced; everything else (flags such as `train`) stays a
+    # Python value, as the model's own code expects.
+    closed = _close_over_static(trace, dict(variables), args, kwargs)
+    jax.eval_shape(*closed)
+    self.rule_set.check_strict(call.classes)
+    if key is not None:
+      with self.memo.lock:
+        self.memo.classes[key] = (dict(call.classes), set(call.boundaries))
+    return call.classes, call.boundaries
 
   def init(self, rngs: Any, *args: Any, method: Any = None,
            **kwargs: Any) -> Any:
-    """Like ``module.init``; params come back in their param dtypes.
+    """Like ``flax.linen.Module.init``; params come back in their param dtypes.
 
     Args:
-      rngs: a PRNG key or dict of keys, as for ``flax.linen.Module.init``.
+      rngs: a PRNG key or dict of keys.
       *args: example inputs.
-      method: the method to trace, as for ``init``.
-      **kwargs: more inputs, as for ``init``.
+      method: the wrapped module's method to trace (name or function).
+      **kwargs: more inputs, and ``init``'s own options (``mutable=``).
 
     Returns:
-      The variables; ``params`` are in each module's param dtype, other
-      collections as the module created them.
+      The variables.
     """
-    resolver = self._resolver()
-    with nn.intercept_methods(_interceptor(resolver)):
-      variables = self.module.init(rngs, *args, method=method, **kwargs)
-    self._check_strict(resolver)
-    if "params" in variables:
-      variables = dict(variables)
-      variables["params"] = _cast_params(variables["params"], resolver, "param")
-    return variables
+    return super().init(rngs, *args, method=self._method(method), **kwargs)
 
-  def apply(self, variables: Any, *args: Any, rngs: Any = None,
-            method: Any = None, mutable: Any = False, **kwargs: Any) -> Any:
-    """Like ``module.apply``, under the policy.
+  def init_with_output(self, rngs: Any, *args: Any, method: Any = None,
+                       **kwargs: Any) -> Any:
+    """Like ``flax.linen.Module.init_with_output``, under the policy.
+
+    Args:
+      rngs: a PRNG key or dict of keys.
+      *args: example inputs.
+      method: the wrapped module's method to trace (name or function).
+      **kwargs: more inputs and ``init_with_output``'s options.
+
+    Returns:
+      ``(output, variables)``.
+    """
+    return super().init_with_output(rngs, *args, method=self._method(method),
+                                    **kwargs)
+
+  def apply(self, variables: Any, *args: Any, method: Any = None,
+            **kwargs: Any) -> Any:
+    """Like ``flax.linen.Module.apply``, under the policy.
 
     Args:
       variables: variables from :meth:`init` (or any with the same structure).
       *args: inputs.
-      rngs: PRNG keys, as for ``apply``.
-      method: the method to call, as for ``apply``.
-      mutable: collections to return updated, as for ``apply``; their updates
-        keep the stored dtypes (``batch_stats`` stay float32).
-      **kwargs: more inputs.
+      method: the wrapped module's method to call (name or function).
+      **kwargs: more inputs, and ``apply``'s own options (``rngs=``,
+        ``mutable=``: updated collections keep their stored dtypes).
 
     Returns:
-      What ``module.apply`` returns.
+      What the wrapped module's ``apply`` returns.
     """
-    resolver = self._discover(variables, args, kwargs, method, rngs)
-    cast_vars = dict(variables)
-    if "params" in cast_vars:
-      cast_vars["params"] = _cast_params(cast_vars["params"], resolver,
-                                         "compute")
-    with nn.intercept_methods(_interceptor(resolver)):
-      out = self.module.apply(cast_vars, *args, rngs=rngs, method=method,
-                              mutable=mutable, **kwargs)
-    if mutable is False:
-      return out
-    out, updated = out
-    return out, _restore_dtypes(updated, variables)
+    return super().apply(variables, *args, method=self._method(method),
+                         **kwargs)
+
+  def _method(self, method: Any) -> Callable[..., Any]:
+    if getattr(method, "_jmp_lite_run", False):
+      return method  # Already translated (Module.init calls init_with_output).
+    _call_method(method)  # Validates.
+
+    def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
+      return mp._run(method, a, k)
+
+    run._jmp_lite_run = True  # type: ignore[attr-defined]
+    return run
 
   def policy_for(self, variables: Any, *args: Any, method: Any = None,
                  **kwargs: Any) -> dict[str, str]:
@@ -361,9 +505,31 @@ class MixedPrecision:
     Returns:
       A dict from module path (``""`` for the root) to policy string.
     """
-    resolver = self._discover(variables, args, kwargs, method, None)
-    return {"/".join(p): str(resolver.policy_for(p))
-            for p in sorted(resolver.classes)}
+    def discover(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
+      return mp._discover(method, a, k)
+
+    classes, _ = nn.Module.apply(self, variables, *args, method=discover,
+                                 **kwargs)
+    resolved = self.rule_set.resolve(classes)
+    return {"/".join(p): str(r.policy) for p, r in sorted(resolved.items())}
+
+
+def _close_over_static(fn: Callable[..., Any], variables: Any, args: tuple,
+                       kwargs: dict) -> tuple[Any, ...]:
+  """``(f, arrays)`` for ``jax.eval_shape``: non-array leaves closed over."""
+  leaves, treedef = jax.tree.flatten((variables, args, kwargs),
+                                     is_leaf=_dtypes.is_live_state)
+  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic))
+              or isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+
+  def f(*arrays_in: Any) -> Any:
+    it = iter(arrays_in)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    v, a, k = jax.tree.unflatten(treedef, full)
+    return fn(v, a, k)
+
+  return (f, *arrays)
 
 
 def mixed_precision(
@@ -374,37 +540,44 @@ def mixed_precision(
     float32_norms: bool = True,
     strict: bool = False,
     enabled: bool = True,
+    remat_norms: bool = False,
 ) -> MixedPrecision:
   """Puts a ``flax.linen`` module under a precision policy.
 
   Args:
-    module: any linen module; it is not modified.
+    module: any linen module; it is not modified. Its layers' own
+      ``dtype=``/``param_dtype=`` fields are overridden by the policy.
     policy: the default :class:`~jmp_lite.Policy` or policy string.
     rules: ``(matcher, policy)`` pairs or :class:`Rule`\\ s: by module class or
       by path pattern; first match wins, children inherit.
     float32_norms: append ``Rule(NORM_LAYERS, p=f32,c=f32,o=<compute>)``
-      after your rules: LayerNorm, BatchNorm, RMSNorm and GroupNorm compute
-      (and keep their params and statistics) in float32 and hand their output
-      back in the model's compute dtype.
+      after your rules: LayerNorm, BatchNorm, RMSNorm, GroupNorm and
+      InstanceNorm compute (and keep their params and statistics) in float32
+      and hand their output back in the model's compute dtype.
     strict: raise if one of *your* rules matches no module.
     enabled: ``False`` runs everything in float32, without changing your code
       (PyTorch's ``autocast(enabled=False)``).
+    remat_norms: recompute the float32 normalisation islands in the backward
+      pass (``nn.remat``) instead of saving their float32 intermediates: the
+      residuals a half-precision model keeps for the backward pass shrink to
+      about half of float32's, for one more normalisation per layer.
 
   Returns:
-    A :class:`MixedPrecision` with ``init`` and ``apply``.
+    A :class:`MixedPrecision` module.
 
   Raises:
-    TypeError: for a matcher that is not a linen Module subclass, str or
-      regex, or a policy that is not a policy.
-    ValueError: for a bad path regex; with ``strict``, from ``init``/``apply``
-      when a rule matches nothing.
+    TypeError: for a model that is not a linen module, a rule matcher that
+      is not a linen Module subclass, str or regex, or a policy that is not a
+      policy.
+    ValueError: for a bad path regex or policy string; with ``strict``, from
+      ``init``/``apply`` when a rule matches nothing.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
     >>> class MLP(nn.Module):
     ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     return nn.Dense(2)(nn.LayerNorm()(nn.Dense(4)(x)))
+    ...   def __call__(self, x):  # dtype=float32 is overridden by the policy.
+    ...     return nn.Dense(2)(nn.LayerNorm()(nn.Dense(4, dtype=jnp.float32)(x)))
     >>> model = jmp_lite.linen.mixed_precision(MLP(), "p=f32,c=bf16,o=f32")
     >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> model.apply(variables, jnp.ones((1, 3))).dtype
@@ -412,46 +585,22 @@ def mixed_precision(
     >>> model.policy_for(variables, jnp.ones((1, 3)))["LayerNorm_0"]
     'p=f32,c=f32,o=bf16'
   """
+  if isinstance(module, MixedPrecision):
+    module = module.module  # Re-wrapping replaces the policy.
   if not isinstance(module, nn.Module):
     raise TypeError(
-        f"mixed_precision expects a flax.linen.Module, got"
-        f" {type(module).__name__}"
-    )
-  policy, user, all_rules = policy_and_rules(policy, rules, float32_norms,
-                                             NORM_LAYERS)
-  return MixedPrecision(module=module, policy=policy, rules=all_rules,
-                        strict=strict, enabled=enabled, n_user_rules=len(user))
-
-
-def policy_and_rules(policy: Policy | str, rules: Sequence[Any],
-                     float32_norms: bool, norm_layers: tuple[type, ...]
-                     ) -> tuple[Policy, tuple[Rule, ...], tuple[Rule, ...]]:
-  """Validates a policy and rules; appends the float32 norm island if asked.
-
-  Shared by the linen and nnx adapters.
-
-  Args:
-    policy: a :class:`~jmp_lite.Policy` or policy string.
-    rules: ``(matcher, policy)`` pairs or :class:`Rule` objects.
-    float32_norms: whether to append the island rule for ``norm_layers``.
-    norm_layers: the normalisation classes of the framework.
-
-  Returns:
-    ``(policy, user_rules, all_rules)``.
-
-  Raises:
-    TypeError: for a policy that is not a policy, or a malformed rule.
-  """
-  if isinstance(policy, str):
-    policy = get_policy(policy)
-  if not isinstance(policy, Policy):
-    raise TypeError(f"policy must be a Policy or policy string, got {policy!r}")
-  user = _to_rules(rules)
-  all_rules = user
-  if float32_norms:
-    island = Policy(jnp.float32, jnp.float32, policy.compute_dtype)
-    all_rules = user + (Rule(norm_layers, island),)
-  return policy, user, all_rules
+        f"mixed_precision expects a flax.linen.Module instance, got"
+        f" {type(module).__name__}: {module!r}"
+        + ("; instantiate the class first, e.g. Model()"
+           if isinstance(module, type) else ""))
+  rule_set = _rules.rule_set(policy, rules, (nn.Module,), "flax.linen",
+                             norm_layers=NORM_LAYERS,
+                             float32_norms=float32_norms, strict=strict,
+                             enabled=enabled)
+  if not isinstance(remat_norms, bool):
+    raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
+  return MixedPrecision(module=module, rule_set=rule_set,
+                        remat_norms=remat_norms)
 
 
 def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
@@ -493,96 +642,35 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
 
 
-def _float_dtypes(tree: Any) -> str:
-  names = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(tree)
-                  if _dtypes.is_floating_array(x)})
-  return ",".join(names) if names else "-"
+def _own_params(tree: Any) -> dict[Path, Any]:
+  """Each module path's own params (leaves that are not submodule dicts)."""
+  out: dict[Path, Any] = {}
 
+  def walk(node: Any, path: Path) -> None:
+    own = {k: v for k, v in node.items() if not isinstance(v, Mapping)}
+    if own:
+      out[path] = own
+    for k, v in node.items():
+      if isinstance(v, Mapping):
+        walk(v, path + (str(k),))
 
-def _own(tree: Any) -> Any:
-  """The leaves of a module's variable dict that are not submodules'."""
-  if not isinstance(tree, dict):
-    return {}
-  return {k: v for k, v in tree.items() if not isinstance(v, dict)}
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportRow:
-  """One module call seen while tracing.
-
-  Attributes:
-    path: module path (``""`` for the root).
-    cls: module class name.
-    policy: the policy string the module resolved to.
-    stored: dtypes of its own params as stored.
-    read: dtypes of its own params as the module read them.
-    inputs: floating dtypes of its inputs after casting.
-    outputs: floating dtypes of its outputs.
-    param_bytes: bytes of its own params as stored.
-  """
-
-  path: str
-  cls: str
-  policy: str
-  stored: str
-  read: str
-  inputs: str
-  outputs: str
-  param_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeReport:
-  """The dtypes every module of a model sees; print it, or show it in Jupyter.
-
-  Attributes:
-    rows: one :class:`ReportRow` per module call, in call order.
-  """
-
-  rows: tuple[ReportRow, ...]
-
-  _HEADER = ("module", "class", "policy", "params stored", "params read",
-             "inputs", "outputs", "param bytes")
-
-  def _cells(self) -> list[tuple[str, ...]]:
-    return [(r.path or "<root>", r.cls, r.policy, r.stored, r.read, r.inputs,
-             r.outputs, f"{r.param_bytes:,}") for r in self.rows]
-
-  def total_param_bytes(self) -> int:
-    """Bytes of all params as stored."""
-    return sum(r.param_bytes for r in self.rows)
-
-  def __str__(self) -> str:
-    cells = self._cells()
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(self._HEADER)]
-    fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
-    lines = [fmt(self._HEADER), fmt(tuple("-" * w for w in widths))]
-    lines += [fmt(c) for c in cells]
-    lines.append(f"total param bytes: {self.total_param_bytes():,}")
-    return "\n".join(lines)
-
-  def _repr_html_(self) -> str:
-    import html
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADER)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in c) + "</tr>"
-        for c in self._cells())
-    return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
-            f"<tfoot><tr><td colspan=8>total param bytes:"
-            f" {self.total_param_bytes():,}</td></tr></tfoot></table>")
+  if isinstance(tree, Mapping):
+    walk(tree, ())
+  return out
 
 
 def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
                  method: Any = None, **kwargs: Any) -> DtypeReport:
-  """Traces ``model`` once (abstractly) and reports what every module saw.
+  """Traces ``model`` once (abstractly) and reports what every module computed.
 
-  Nothing is guessed: input, output and param dtypes are captured inside each
-  module call.
+  Nothing is guessed: the dtypes each module's matmuls and convolutions ran in
+  are read from the traced jaxpr, and its input, output and param dtypes are
+  captured inside each call. A module whose matmuls ran in another dtype than
+  its policy says is flagged (:meth:`DtypeReport.mismatches`).
 
   Args:
     model: a :class:`MixedPrecision` model.
-    variables: its variables (from ``model.init``).
+    variables: its variables (from ``model.init``; a ``FrozenDict`` works).
     *args: example inputs.
     method: the method to trace.
     **kwargs: more inputs.
@@ -590,37 +678,31 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
   Returns:
     A :class:`DtypeReport`.
 
+  Raises:
+    TypeError: if ``model`` is not a :class:`MixedPrecision`.
+
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2), "c=bf16")
+    >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2, dtype=jnp.float32), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
-    >>> report = jmp_lite.linen.dtype_report(model, v, jnp.ones((1, 3)))
-    >>> (report.rows[0].stored, report.rows[0].read, report.rows[0].outputs)
-    ('float32', 'bfloat16', 'bfloat16')
+    >>> row = jmp_lite.linen.dtype_report(model, v, jnp.ones((1, 3))).rows[0]
+    >>> (row.stored, row.read, row.computed, row.outputs)
+    ('float32', 'bfloat16', 'bfloat16', 'bfloat16')
   """
-  resolver = model._discover(variables, args, kwargs, method, None)
-  stored = variables.get("params", {})
-  rows: list[ReportRow] = []
+  if not isinstance(model, MixedPrecision):
+    raise TypeError(
+        "dtype_report expects a jmp_lite.linen.MixedPrecision (from"
+        f" mixed_precision(...)), got {type(model).__name__}")
+  recorder = _report.Recorder()
 
-  def record(path, cls, policy, call_args, call_kwargs, out, module_vars):
-    own_stored = stored
-    for name in path:
-      own_stored = own_stored.get(name, {}) if isinstance(own_stored, dict) else {}
-    rows.append(ReportRow(
-        path="/".join(path), cls=cls.__name__, policy=str(policy),
-        stored=_float_dtypes(_own(own_stored)),
-        read=_float_dtypes(_own(module_vars)),
-        inputs=_float_dtypes((call_args, call_kwargs)),
-        outputs=_float_dtypes(out), param_bytes=tree_bytes(_own(own_stored))))
+  def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
+    return mp._run(method, a, k, recorder)
 
-  def run(v):
-    cast_vars = dict(v)
-    if "params" in cast_vars:
-      cast_vars["params"] = _cast_params(cast_vars["params"], resolver,
-                                         "compute")
-    with nn.intercept_methods(_interceptor(resolver, record)):
-      return model.module.apply(cast_vars, *args, method=method, mutable=True,
-                                **kwargs)
+  def f(v: Any, a: tuple, k: dict) -> Any:
+    return nn.Module.apply(model, v, *a, method=run, mutable=True, **k)
 
-  jax.eval_shape(run, variables)
-  return DtypeReport(tuple(rows))
+  closed = _close_over_static(f, dict(variables), args, kwargs)
+  jaxpr = jax.make_jaxpr(closed[0])(*closed[1:])
+  stored = _own_params(variables.get("params", {}))
+  return recorder.report(jaxpr, stored,
+                         _report.tree_bytes(variables.get("params", {})))

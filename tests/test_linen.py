@@ -254,7 +254,8 @@ def test_enabled_false_is_float32_everywhere():
 
 
 def test_bad_rules_give_clear_errors():
-  with pytest.raises(TypeError, match=r"flax.linen.Module \(or flax.nnx.Module\) subclasses"):
+  with pytest.raises(TypeError, match=r"rule matcher int is not a subclass of"
+                     r" flax.linen.module.Module"):
     jl.mixed_precision(ResNet(), "bf16", rules=[(int, "f32")])
   with pytest.raises(TypeError, match="path pattern"):
     jl.mixed_precision(ResNet(), "bf16", rules=[(3, "f32")])
@@ -365,3 +366,243 @@ def test_cast_by_path_for_plain_pytrees():
     jmp_lite.cast_by_path(params, "bf16", [("decoder", "f32")], strict=True)
   with pytest.raises(ValueError, match="to must be one of"):
     jmp_lite.cast_by_path(params, "bf16", to="input")
+
+
+# -- Issue 9: models as users write them -------------------------------------
+
+def _dot_conv_dtypes(fn, *args):
+  from tests.models.harness import matmul_dtypes
+  return {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(fn)(*args))}
+
+
+class Float32Fields(nn.Module):
+  """Layers built as Flax's examples build them: dtype=float32 everywhere."""
+
+  dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3), dtype=self.dtype, param_dtype=jnp.bfloat16)(x)
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    return nn.Dense(3, dtype=self.dtype, name="head")(x.mean(axis=(1, 2)))
+
+
+@pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16])
+def test_policy_overrides_layers_dtype_fields(compute):
+  """Point 1: dtype=float32 on a Flax layer no longer wins over the policy."""
+  name = np.dtype(compute).name
+  model = jl.mixed_precision(Float32Fields(), f"p=f32,c={name},o=f32")
+  x = _images()
+  variables = model.init(jax.random.key(0), x)
+  # The policy governs storage too: the Conv asked for bf16 params.
+  for leaf in jax.tree.leaves(variables["params"]):
+    assert_dtype(leaf, jnp.float32)
+  fwd = lambda v: model.apply(v, x)
+  assert _dot_conv_dtypes(fwd, variables) == {(np.dtype(compute),) * 2}
+  grad = jax.grad(lambda v: fwd(v).sum())
+  assert _dot_conv_dtypes(grad, variables) == {(np.dtype(compute),) * 2}
+  assert_dtype(fwd(variables), jnp.float32)
+  # A rule is how a module stays in float32.
+  kept = jl.mixed_precision(Float32Fields(), f"p=f32,c={name},o=f32",
+                            rules=[("head", "f32")])
+  ops = _dot_conv_dtypes(lambda v: kept.apply(v, x), variables)
+  assert ops == {(np.dtype(compute),) * 2, (np.dtype(jnp.float32),) * 2}
+
+
+class CastsItself(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.ones, (x.shape[-1], 2))
+    return x.astype(jnp.float32) @ w.astype(jnp.float32)
+
+
+class SharedAndScanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(x.shape[-1], name="shared")
+    x = shared(shared(x))  # One module, called twice.
+    body = nn.scan(nn.Dense, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=3)
+    x = body(x.shape[-1], name="scanned")(x)
+    return CastsItself(name="own_cast")(x)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_dtype_report_reads_the_computation(frozen):
+  """Point 2: computed dtypes from the jaxpr, mismatches flagged, no double count."""
+  from flax.core import freeze
+
+  class ScanBody(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+      return nn.Dense(c.shape[-1])(c), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      shared = nn.Dense(x.shape[-1], name="shared")
+      x = shared(shared(x))
+      x, _ = nn.scan(ScanBody, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)(name="scan")(
+                         x, None)
+      x = Float32Fields(name="flax_example")(x[:, None, None, :])
+      return CastsItself(name="own_cast")(x)
+
+  model = jl.mixed_precision(Model(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 4))
+  variables = model.init(jax.random.key(0), x)
+  if frozen:
+    variables = freeze(variables)
+  report = jl.dtype_report(model, variables, x)
+  rows = _rows(report)
+  assert rows["shared"].calls == 2
+  assert rows["shared"].computed == "bfloat16"
+  assert rows["flax_example/Conv_0"].computed == "bfloat16"  # Not float32.
+  assert rows["flax_example/Conv_0"].read == "bfloat16"
+  assert rows["flax_example/Conv_0"].stored == "float32"
+  assert rows["own_cast"].computed == "float32"
+  assert [r.path for r in report.mismatches()] == ["own_cast"]
+  assert "own code" in rows["own_cast"].note and "(!) own_cast" in str(report)
+  # Every param byte once: the shared layer and the scanned stack included.
+  nbytes = sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves(variables["params"]))
+  assert report.total_param_bytes == nbytes
+  assert "<table>" in report._repr_html_()
+
+
+class KeyTaker(nn.Module):
+  @nn.compact
+  def __call__(self, x, key):
+    noise = jax.random.normal(key, x.shape, x.dtype)
+    return nn.Dense(2)(x + noise), key
+
+
+def test_typed_keys_pass_through_modules():
+  """Point 3: a typed key argument reaches the module and comes back as is."""
+  model = jl.mixed_precision(KeyTaker(), "p=f32,c=bf16,o=f32")
+  key = jax.random.key(3)
+  variables = model.init(jax.random.key(0), jnp.ones((1, 3)), key)
+  out, key_out = model.apply(variables, jnp.ones((1, 3)), key)
+  assert_dtype(out, jnp.float32)
+  assert jax.dtypes.issubdtype(key_out.dtype, jax.dtypes.prng_key)
+  assert (jax.random.key_data(key_out) == jax.random.key_data(key)).all()
+
+
+@pytest.mark.parametrize("compute", ["bf16", "f16"])
+def test_rnn_and_scan_carries_keep_their_dtype(compute):
+  """Point 7: nn.RNN(LSTMCell) and a user's nn.scan with a float32 carry."""
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      y = nn.RNN(nn.LSTMCell(8))(x)
+      carry = jnp.zeros((x.shape[0], 8), jnp.float32)  # Made inside.
+
+      class Step(nn.Module):
+        @nn.compact
+        def __call__(self, c, xs):
+          c = nn.tanh(nn.Dense(8)(c) + xs)
+          return c, c
+
+      carry, ys = nn.scan(Step, variable_broadcast="params",
+                          split_rngs={"params": False}, in_axes=1,
+                          out_axes=1)()(carry, y)
+      return ys, carry
+
+  model = jl.mixed_precision(Model(), f"p=f32,c={compute},o=f32")
+  x = jnp.ones((2, 5, 3))
+  variables = model.init(jax.random.key(0), x)
+  ys, carry = model.apply(variables, x)
+  assert_dtype(ys, jnp.float32)
+  assert_dtype(carry, jnp.float32)
+  dtype = np.dtype(jmp_lite.get_policy(f"c={compute}").compute_dtype)
+  assert _dot_conv_dtypes(lambda v: model.apply(v, x), variables) == {
+      (dtype, dtype)}
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3))(x))
+    return nn.Dense(5)(x.mean(axis=(1, 2)))
+
+
+def test_wrapped_model_nests_as_a_submodule():
+  """Point 8: a wrapped model inside another model's compact and setup."""
+
+  class Compact(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      feats = jl.mixed_precision(CNN(), "p=f32,c=bf16,o=bf16")(x)
+      return nn.Dense(2, name="head")(feats)  # The outer model is float32.
+
+  class Setup(nn.Module):
+    def setup(self):
+      self.cnn = jl.mixed_precision(CNN(), "p=f32,c=bf16,o=bf16")
+      self.head = nn.Dense(2)
+
+    def __call__(self, x):
+      return self.head(self.cnn(x))
+
+  x = _images()
+  for outer in (Compact(), Setup()):
+    variables = outer.init(jax.random.key(0), x)
+    for leaf in jax.tree.leaves(variables):
+      assert_dtype(leaf, jnp.float32)
+    ops = _dot_conv_dtypes(lambda v: outer.apply(v, x), variables)
+    bf16 = np.dtype(jnp.bfloat16)
+    assert (bf16, bf16) in ops  # The CNN's conv and dense.
+    assert_dtype(outer.apply(variables, x), jnp.float32)
+  # The wrapped CNN's params live where the bare CNN's would.
+  bare = Compact().init(jax.random.key(0), x)
+  assert set(bare["params"]) == {"CNN_0", "head"}
+  # Nested under an outer policy: the inner policy wins inside.
+  outer = jl.mixed_precision(Compact(), "p=f32,c=f16,o=f32")
+  variables = outer.init(jax.random.key(0), x)
+  ops = _dot_conv_dtypes(lambda v: outer.apply(v, x), variables)
+  assert ops == {(np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float16),) * 2}
+
+
+def test_method_and_memoised_discovery():
+  """``method=`` reaches the model's methods; shapes are discovered once."""
+
+  class Model(nn.Module):
+    def setup(self):
+      self.enc = nn.Dense(4, dtype=jnp.float32)
+      self.dec = nn.Dense(3, dtype=jnp.float32)
+
+    def encode(self, x):
+      return self.enc(x)
+
+    def __call__(self, x):
+      return self.dec(self.encode(x))
+
+  model = jl.mixed_precision(Model(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  for method in ("encode", Model.encode):
+    out = model.apply(variables, x, method=method)
+    assert_dtype(out, jnp.float32)
+    assert _dot_conv_dtypes(lambda v: model.apply(v, x, method=method),
+                            variables) == {(np.dtype(jnp.bfloat16),) * 2}
+  before = len(model.memo.classes)
+  for _ in range(3):
+    model.apply(variables, x)
+  assert len(model.memo.classes) == before + 1  # One trace per new shape.
+  with pytest.raises(TypeError, match="method must be None, a method name"):
+    model.apply(variables, x, method=3)
+
+
+def test_bad_inputs_name_the_value_and_the_fix():
+  with pytest.raises(TypeError, match=r"instantiate the class first"):
+    jl.mixed_precision(CNN, "bf16")
+  with pytest.raises(ValueError, match=r"Unknown dtype 'bf17'"):
+    jl.mixed_precision(CNN(), "c=bf17")
+  with pytest.raises(TypeError, match=r"policy must be a jmp_lite.Policy or a"
+                     r" policy string.*got int: 3"):
+    jl.mixed_precision(CNN(), 3)
+  with pytest.raises(TypeError, match=r"wrap a single rule in a list"):
+    jl.mixed_precision(CNN(), "bf16", rules=(nn.Dense, "f32"))
+  with pytest.raises(TypeError, match=r"dtype_report expects a"
+                     r" jmp_lite.linen.MixedPrecision"):
+    jl.dtype_report(CNN(), {}, _images())

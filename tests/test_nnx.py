@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import chex
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,135 @@ def test_trains_with_master_weights_and_loss_scaling():
     losses.append(float(loss))
   assert losses[-1] < 0.5 * losses[0], losses
   assert_dtype(params["conv"]["kernel"][...], jnp.bfloat16)
+
+
+# -- Issue 9: nnx models as users write them ---------------------------------
+
+def _dot_conv_dtypes(fn, *args):
+  from tests.models.harness import matmul_dtypes
+  return {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(fn)(*args))}
+
+
+class DropoutAtCall(nnx.Module):
+  """The nnx MNIST tutorial's way: Rngs handed to each call."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(6, 6, dtype=jnp.float32, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs: nnx.Rngs):
+    return self.drop(self.lin(x), rngs=rngs)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_rngs_at_call_time_are_the_callers_own(enabled):
+  """Points 3 and 4: typed keys pass, the caller's Rngs advances."""
+  model = jnnx.mixed_precision(DropoutAtCall(nnx.Rngs(0)),
+                               "p=f32,c=bf16,o=f32", enabled=enabled)
+  rngs = nnx.Rngs(dropout=1)
+  x = jnp.ones((4, 6))
+  first, second = model(x, rngs), model(x, rngs)
+  assert int(rngs.dropout.count[...]) == 2
+  assert bool((first != second).any())  # Fresh masks, not repeated ones.
+  assert_dtype(first, jnp.float32)
+  key = jax.random.key(0)
+  assert jmp_lite.get_policy("bf16").cast_to_compute(key) is key
+  assert jmp_lite.cast_by_path({"k": key}, "bf16")["k"] is key
+  assert bool(jmp_lite.all_finite({"k": key, "x": x}))
+
+
+class Tied(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(20, 8, dtype=jnp.float32, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.proj = nnx.Linear(8, 8, rngs=rngs)
+
+  def encode(self, tokens):
+    x = self.embed(tokens)
+    return x + self.proj(self.norm(x))
+
+  def __call__(self, tokens):
+    return self.embed.attend(self.encode(tokens))
+
+
+def test_every_method_runs_under_the_policy():
+  """Point 5: Embed.attend and the model's own encode, not only __call__."""
+  model = jnnx.mixed_precision(Tied(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  tokens = jnp.arange(6).reshape(2, 3)
+  bf16 = (np.dtype(jnp.bfloat16),) * 2
+  assert _dot_conv_dtypes(lambda t: model(t), tokens) == {bf16}
+  assert _dot_conv_dtypes(lambda t: model.encode(t), tokens) == {bf16}
+  assert_dtype(model.encode(tokens), jnp.float32)  # The root's output dtype.
+  assert_dtype(model(tokens), jnp.float32)
+  report = jnnx.dtype_report(model, tokens)
+  rows = {r.path: r for r in report.rows}
+  assert rows["embed"].computed == "bfloat16"  # attend, in bf16.
+  assert rows["norm"].inputs == "float32" and rows["norm"].outputs == "bfloat16"
+  assert not report.mismatches()
+  with pytest.raises(AttributeError, match="has no attribute 'decode'"):
+    model.decode(tokens)
+
+
+def test_plain_jax_transforms_pickle_and_report():
+  """Point 6: plain jit/make_jaxpr/eval_shape closures, pickling, the report."""
+  import pickle
+  model = jnnx.mixed_precision(Tied(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+  tokens = jnp.arange(6).reshape(2, 3)
+  expected = model(tokens)
+  chex.assert_trees_all_close(jax.jit(lambda t: model(t))(tokens), expected,
+                              atol=1e-2)
+  assert jax.eval_shape(lambda t: model(t), tokens).dtype == jnp.float32
+  jax.make_jaxpr(lambda t: model.encode(t))(tokens)
+  restored = pickle.loads(pickle.dumps(model))
+  chex.assert_trees_all_equal(restored(tokens), expected)
+  assert restored.wrapped_class is Tied and not isinstance(restored, Tied)
+  # Applying the policy mutated nothing: every stored dtype as it was.
+  assert_dtype(_value(model.proj.kernel), jnp.bfloat16)
+  assert_dtype(_value(model.norm.scale), jnp.float32)
+  # State layout is the bare model's.
+  bare = nnx.state(Tied(nnx.Rngs(0)), nnx.Param)
+  assert (jax.tree.structure(nnx.state(model, nnx.Param))
+          == jax.tree.structure(bare))
+
+
+def test_batch_stats_written_back_in_their_dtype():
+  model = jnnx.mixed_precision(Net(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32",
+                               float32_norms=False)
+  before = _value(model.bn.mean)
+  model(_x())
+  after = _value(model.bn.mean)
+  assert_dtype(after, jnp.float32)  # Stored float32, though bn ran in bf16.
+  assert not np.allclose(before, after)
+  # Nothing changed, nothing written: the same array object.
+  model.eval()
+  kernel = _value(model.conv.kernel)
+  model(_x())
+  assert _value(model.conv.kernel) is kernel
+
+
+def test_nested_policy_and_bad_inputs():
+  inner = jnnx.mixed_precision(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), "f16")
+
+  class Outer(nnx.Module):
+    def __init__(self):
+      self.inner = inner
+      self.head = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.head(self.inner(x))
+
+  outer = jnnx.mixed_precision(Outer(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((1, 4))
+  f16, bf16 = (np.dtype(jnp.float16),) * 2, (np.dtype(jnp.bfloat16),) * 2
+  assert _dot_conv_dtypes(lambda x: outer(x), x) == {f16, bf16}
+  assert_dtype(_value(outer.inner.kernel), jnp.float16)
+  with pytest.raises(TypeError, match=r"expects a flax.nnx.Module instance"):
+    jnnx.mixed_precision(nnx.Linear, "bf16")
+  with pytest.raises(TypeError, match=r"rule matcher Dense is not a subclass"
+                     r" of flax.nnx"):
+    import flax.linen as nn
+    jnnx.mixed_precision(Net(nnx.Rngs(0)), "bf16", rules=[(nn.Dense, "f32")])
+  with pytest.raises(ValueError, match=r"Unknown dtype 'half16'"):
+    jnnx.mixed_precision(Net(nnx.Rngs(0)), "c=half16")
+  with pytest.raises(TypeError, match=r"dtype_report expects"):
+    jnnx.dtype_report(Net(nnx.Rngs(0)), _x())

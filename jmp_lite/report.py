@@ -1,0 +1,313 @@
+"""Dtype reports: what each module of a model actually computed in.
+
+Shared by the linen, nnx and Equinox adapters. An adapter traces the model
+once (abstractly) with every module call wrapped in a ``jax.named_scope``
+whose name is a token of that module (:meth:`Recorder.scope`), and records
+what crossed the module's boundary (:meth:`Recorder.call`). The report then
+reads the traced jaxpr: each ``dot_general`` and convolution is attributed to
+the innermost module whose scope it was traced in, and its operand dtypes are
+what the module *computed* in — facts, not the policy's intent. A module whose
+matmuls ran in another dtype than its policy's compute dtype is flagged (its
+own code casts, or a layer's field overrides what jmp_lite can reach).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import html
+import re
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+from jmp_lite import dtypes as _dtypes
+
+Path = tuple[str, ...]
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+_TOKEN = "jmp_lite_module_"
+_TOKEN_RE = re.compile(_TOKEN + r"(\d+)")
+
+
+def float_dtypes(tree: Any) -> str:
+  """The sorted, comma-joined names of the floating dtypes in ``tree``.
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    E.g. ``"bfloat16,float32"``, or ``"-"`` for none.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.report
+    >>> jmp_lite.report.float_dtypes({"a": jnp.ones(1), "b": 2})
+    'float32'
+  """
+  names = sorted({np.dtype(x.dtype).name
+                  for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state)
+                  if _dtypes.is_floating_array(x)})
+  return ",".join(names) if names else "-"
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of the array leaves of ``tree`` (each array object counted once).
+
+  Args:
+    tree: any pytree of arrays or ``jax.ShapeDtypeStruct``.
+
+  Returns:
+    The byte count.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.report
+    >>> w = jnp.ones((2, 3), jnp.bfloat16)
+    >>> jmp_lite.report.tree_bytes({"a": w, "tied": w})
+    12
+  """
+  seen: set[int] = set()
+  total = 0
+  for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape") or id(x) in seen:
+      continue
+    seen.add(id(x))
+    total += int(np.prod(x.shape)) * x.dtype.itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+  """One module, as the traced computation saw it.
+
+  Attributes:
+    path: module path (``""`` for the root).
+    cls: module class name.
+    policy: the policy string the module resolved to.
+    calls: how many times it was called in the traced function.
+    stored: dtypes of its own params as stored.
+    read: dtypes of its own params as the module read them.
+    inputs: floating dtypes of its inputs after casting.
+    outputs: floating dtypes of its outputs.
+    computed: operand dtypes of the matmuls and convolutions traced in its
+      own code (not its submodules'), or ``"-"`` if it has none.
+    param_bytes: bytes of its own params as stored.
+    note: why the computation disagrees with the policy, or ``""``.
+  """
+
+  path: str
+  cls: str
+  policy: str
+  calls: int
+  stored: str
+  read: str
+  inputs: str
+  outputs: str
+  computed: str
+  param_bytes: int
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeReport:
+  """The dtypes every module of a model used; print it, or show it in Jupyter.
+
+  Attributes:
+    rows: one :class:`ReportRow` per module, in first-call order.
+    total_param_bytes: bytes of all params as stored, each counted once
+      (shared weights and ``scan``-ned layers are not counted twice).
+  """
+
+  rows: tuple[ReportRow, ...]
+  total_param_bytes: int
+
+  _HEADER = ("module", "class", "policy", "calls", "params stored",
+             "params read", "inputs", "outputs", "matmuls ran in",
+             "param bytes")
+
+  def mismatches(self) -> tuple[ReportRow, ...]:
+    """The rows whose computation disagrees with their policy.
+
+    Returns:
+      The flagged rows (empty when the policy governs every matmul).
+    """
+    return tuple(r for r in self.rows if r.note)
+
+  def _cells(self) -> list[tuple[str, ...]]:
+    return [(r.path or "<root>", r.cls, r.policy, str(r.calls), r.stored,
+             r.read, r.inputs, r.outputs, r.computed + (" (!)" if r.note else ""),
+             f"{r.param_bytes:,}") for r in self.rows]
+
+  def __str__(self) -> str:
+    cells = self._cells()
+    widths = [max([len(h)] + [len(c[i]) for c in cells])
+              for i, h in enumerate(self._HEADER)]
+
+    def fmt(row: tuple[str, ...]) -> str:
+      return "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+
+    lines = [fmt(self._HEADER), fmt(tuple("-" * w for w in widths))]
+    lines += [fmt(c) for c in cells]
+    lines.append(f"total param bytes: {self.total_param_bytes:,}")
+    for r in self.mismatches():
+      lines.append(f"(!) {r.path or '<root>'}: {r.note}")
+    return "\n".join(lines)
+
+  def _repr_html_(self) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADER)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in c) + "</tr>"
+        for c in self._cells())
+    notes = "".join(
+        f"<tr><td colspan={len(self._HEADER)}>(!) "
+        f"{html.escape(r.path or '<root>')}: {html.escape(r.note)}</td></tr>"
+        for r in self.mismatches())
+    return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
+            f"<tfoot><tr><td colspan={len(self._HEADER)}>total param bytes:"
+            f" {self.total_param_bytes:,}</td></tr>{notes}</tfoot></table>")
+
+
+@dataclasses.dataclass
+class _Module:
+  token: int
+  cls: type
+  policy: Any
+  calls: int = 0
+  inputs: set[str] = dataclasses.field(default_factory=set)
+  outputs: set[str] = dataclasses.field(default_factory=set)
+  read: set[str] = dataclasses.field(default_factory=set)
+
+
+class Recorder:
+  """Collects module calls while a model is traced for a report.
+
+  One recorder lives for one :func:`jax.make_jaxpr` trace; it is never
+  module-level state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> from jmp_lite.report import Recorder
+    >>> rec = Recorder()
+    >>> def model(x):
+    ...   with rec.scope(("dense",), object, jmp_lite.get_policy("bf16")):
+    ...     y = x.astype(jnp.bfloat16) @ x.astype(jnp.bfloat16)
+    ...   return y
+    >>> report = rec.report(jax.make_jaxpr(model)(jnp.ones((2, 2))), {})
+    >>> report.rows[0].computed
+    'bfloat16'
+  """
+
+  def __init__(self) -> None:
+    self.modules: dict[Path, _Module] = {}
+
+  def _module(self, path: Path, cls: type, policy: Any) -> _Module:
+    if path not in self.modules:
+      self.modules[path] = _Module(len(self.modules), cls, policy)
+    return self.modules[path]
+
+  @contextlib.contextmanager
+  def scope(self, path: Path, cls: type, policy: Any) -> Iterator[None]:
+    """Traces a module call's code under the module's own name scope.
+
+    Args:
+      path: the module path.
+      cls: its class.
+      policy: its resolved policy.
+
+    Yields:
+      Nothing; trace the module's call inside.
+    """
+    module = self._module(path, cls, policy)
+    with jax.named_scope(f"{_TOKEN}{module.token}"):
+      yield
+
+  def call(self, path: Path, cls: type, policy: Any, inputs: Any,
+           outputs: Any, params_read: Any) -> None:
+    """Records what crossed a module call's boundary.
+
+    Args:
+      path: the module path.
+      cls: its class.
+      policy: its resolved policy.
+      inputs: its arguments after casting.
+      outputs: its outputs after casting.
+      params_read: its own params as it read them.
+    """
+    module = self._module(path, cls, policy)
+    module.calls += 1
+    module.inputs.add(float_dtypes(inputs))
+    module.outputs.add(float_dtypes(outputs))
+    module.read.add(float_dtypes(params_read))
+
+  def report(self, closed_jaxpr: Any, stored: dict[Path, Any],
+             total_param_bytes: int | None = None) -> DtypeReport:
+    """Builds the report from the traced jaxpr.
+
+    Args:
+      closed_jaxpr: the jaxpr traced with the scopes of :meth:`scope`.
+      stored: each module's own params as stored, by path.
+      total_param_bytes: bytes of all params as stored; defaults to the sum
+        over ``stored`` (each array counted once).
+
+    Returns:
+      The :class:`DtypeReport`.
+    """
+    ops = matmul_dtypes_by_scope(closed_jaxpr)
+    rows = []
+    for path, m in self.modules.items():
+      computed = ops.get(m.token, set())
+      computed_names = ",".join(sorted(computed)) or "-"
+      expected = np.dtype(m.policy.compute_dtype).name
+      note = ""
+      if computed and computed != {expected}:
+        note = (f"matmuls ran in {computed_names} but the policy says"
+                f" {expected}: this module's own code chooses the dtype (an"
+                " astype or a hard-coded dtype) and jmp_lite cannot change it;"
+                " make it explicit with a rule, or remove the cast")
+      own = stored.get(path, {})
+      rows.append(ReportRow(
+          path="/".join(path), cls=m.cls.__name__, policy=str(m.policy),
+          calls=m.calls, stored=float_dtypes(own),
+          read=_join(m.read), inputs=_join(m.inputs),
+          outputs=_join(m.outputs), computed=computed_names,
+          param_bytes=tree_bytes(own), note=note))
+    if total_param_bytes is None:
+      total_param_bytes = tree_bytes(list(stored.values()))
+    return DtypeReport(tuple(rows), total_param_bytes)
+
+
+def _join(names: set[str]) -> str:
+  parts = sorted({p for n in names for p in n.split(",") if p != "-"})
+  return ",".join(parts) if parts else "-"
+
+
+def matmul_dtypes_by_scope(closed_jaxpr: Any) -> dict[int, set[str]]:
+  """Operand dtypes of every matmul/convolution, by innermost module token.
+
+  Walks sub-jaxprs (``jit``, ``scan``, ``cond``, ``remat``, custom
+  derivatives), whose name stacks are relative to the equation that holds
+  them.
+
+  Args:
+    closed_jaxpr: a traced jaxpr.
+
+  Returns:
+    ``{token: {"bfloat16", ...}}``; ops outside any module scope are under
+    ``-1``.
+  """
+  out: dict[int, set[str]] = {}
+
+  def walk(jaxpr: Any, prefix: str) -> None:
+    for eqn in jaxpr.eqns:
+      stack = prefix + "/" + str(eqn.source_info.name_stack)
+      if eqn.primitive.name in _MATMULS:
+        tokens = _TOKEN_RE.findall(stack)
+        token = int(tokens[-1]) if tokens else -1
+        names = {np.dtype(v.aval.dtype).name for v in eqn.invars[:2]}
+        out.setdefault(token, set()).update(names)
+      for sub in jex.jaxprs_in_params(eqn.params):
+        walk(sub, stack)
+
+  walk(closed_jaxpr.jaxpr, "")
+  return out

@@ -1,0 +1,398 @@
+"""Per-module precision rules, shared by the linen, nnx and Equinox adapters.
+
+A :class:`Rule` gives the modules it matches a policy of their own: by class
+(``isinstance``) or by path (``re.fullmatch`` on the ``/``-joined module
+path, ``"decoder/logits"``). The first matching rule wins; a module without a
+match inherits the policy of its nearest ancestor that has one, and the root
+falls back to the default policy. :class:`RuleSet` is that resolution, written
+once: each adapter only says which classes count as modules of its framework
+and which paths and classes it saw.
+
+What a module's resolution means at its boundary (the same in every adapter):
+
+* its floating inputs are cast to its policy's compute dtype;
+* its params are stored in the param dtype and read in the compute dtype;
+* its outputs are cast to the default policy's output dtype (the root), to
+  its own rule's output dtype (a module with a rule), or else to its compute
+  dtype — except a *carry*: when a call ``f(carry, ...)`` returns
+  ``(new_carry, ...)`` with ``new_carry`` shaped like ``carry``, the new
+  carry keeps the dtypes ``carry`` came in with, as ``lax.scan`` requires of
+  ``nn.scan``/``nn.RNN`` bodies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jmp_lite import dtypes as _dtypes
+from jmp_lite.policy import Policy, get_policy
+
+Path = tuple[str, ...]
+
+FLOAT32 = Policy(jnp.float32, jnp.float32, jnp.float32)
+"""The policy of ``enabled=False``: float32 everywhere."""
+
+
+def as_policy(policy: Any, what: str = "policy") -> Policy:
+  """A :class:`~jmp_lite.Policy` from a policy or policy string.
+
+  Args:
+    policy: a ``Policy`` or a string for :func:`~jmp_lite.get_policy`.
+    what: the argument's name, for the error message.
+
+  Returns:
+    The policy.
+
+  Raises:
+    TypeError: for anything else.
+    ValueError: for a malformed policy string.
+
+  Example:
+    >>> import jmp_lite.rules
+    >>> str(jmp_lite.rules.as_policy("c=bf16"))
+    'p=f32,c=bf16,o=bf16'
+  """
+  if isinstance(policy, str):
+    return get_policy(policy)
+  if not isinstance(policy, Policy):
+    raise TypeError(
+        f"{what} must be a jmp_lite.Policy or a policy string such as"
+        f" 'p=f32,c=bf16,o=f32', got {type(policy).__name__}: {policy!r}")
+  return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """Gives the modules that match ``matcher`` their own policy.
+
+  Attributes:
+    matcher: a module class (or tuple of classes), matched with
+      ``isinstance``; or a path pattern (``str`` or ``re.Pattern``), matched
+      with ``re.fullmatch`` against the ``/``-joined module path (``""`` is the
+      root).
+    policy: the :class:`~jmp_lite.Policy` (or policy string) for them.
+
+  Example:
+    >>> import flax.linen as nn, jmp_lite.rules
+    >>> rule = jmp_lite.rules.Rule(nn.LayerNorm, "f32")
+    >>> str(rule.policy), rule.matches(("encoder", "norm"), nn.LayerNorm)
+    ('p=f32,c=f32,o=f32', True)
+  """
+
+  matcher: Any
+  policy: Any
+
+  def __post_init__(self) -> None:
+    m = self.matcher
+    if isinstance(m, str):
+      try:
+        m = re.compile(m)
+      except re.error as e:
+        raise ValueError(
+            f"Bad module path pattern {self.matcher!r}: {e}") from None
+    elif isinstance(m, type):
+      m = (m,)
+    if isinstance(m, tuple):
+      bad = [c for c in m if not isinstance(c, type)]
+      if bad or not m:
+        raise TypeError(
+            "A rule's matcher must be a module class, a tuple of module"
+            f" classes, or a path pattern (str or re.Pattern); got {bad or m!r}")
+    elif not isinstance(m, re.Pattern):
+      raise TypeError(
+          "A rule's matcher must be a module class, a tuple of module classes,"
+          f" or a path pattern (str or re.Pattern); got {type(m).__name__}:"
+          f" {m!r}")
+    object.__setattr__(self, "matcher", m)
+    object.__setattr__(self, "policy", as_policy(self.policy, "A rule's policy"))
+
+  def matches(self, path: Path, cls: type) -> bool:
+    """Whether the module at ``path`` of class ``cls`` matches.
+
+    Args:
+      path: the module path, e.g. ``("encoder", "Dense_0")``.
+      cls: the module's class.
+
+    Returns:
+      The match.
+    """
+    if isinstance(self.matcher, re.Pattern):
+      return self.matcher.fullmatch("/".join(path)) is not None
+    return issubclass(cls, self.matcher)
+
+  def describe(self) -> str:
+    """A short text for error messages and reports."""
+    if isinstance(self.matcher, re.Pattern):
+      return f"path {self.matcher.pattern!r} -> {self.policy}"
+    names = ", ".join(c.__name__ for c in self.matcher)
+    return f"class {names} -> {self.policy}"
+
+
+def to_rules(rules: Iterable[Any], bases: tuple[type, ...],
+             framework: str) -> tuple[Rule, ...]:
+  """Validates ``rules`` for one framework.
+
+  Args:
+    rules: :class:`Rule` objects or ``(matcher, policy)`` pairs.
+    bases: the module base classes of the framework (``flax.linen.Module``).
+    framework: its name, for error messages.
+
+  Returns:
+    The rules.
+
+  Raises:
+    TypeError: for an entry that is not a rule or pair, or a class matcher
+      that is not a module class of ``bases``.
+
+  Example:
+    >>> import flax.linen as nn, jmp_lite.rules
+    >>> rules = jmp_lite.rules.to_rules([(nn.Dense, "bf16")], (nn.Module,), "linen")
+    >>> rules[0].describe()
+    'class Dense -> p=bf16,c=bf16,o=bf16'
+  """
+  if isinstance(rules, (Rule, str)) or (
+      isinstance(rules, tuple) and len(rules) == 2
+      and not isinstance(rules[0], (tuple, Rule))):
+    raise TypeError(
+        f"rules must be a sequence of (matcher, policy) pairs, got {rules!r};"
+        f" wrap a single rule in a list: rules=[{rules!r}]")
+  out = []
+  for r in rules:
+    if isinstance(r, tuple) and len(r) == 2:
+      r = Rule(*r)
+    if not isinstance(r, Rule):
+      raise TypeError(
+          "Each rule must be a jmp_lite.rules.Rule or a (matcher, policy) pair"
+          f" such as (nn.LayerNorm, 'f32') or ('decoder/.*', 'f32'), got {r!r}")
+    if not isinstance(r.matcher, re.Pattern):
+      wrong = [c for c in r.matcher if not issubclass(c, bases)]
+      if wrong:
+        expected = " or ".join(f"{b.__module__}.{b.__qualname__}"
+                               for b in bases)
+        raise TypeError(
+            f"{framework} rule matcher {wrong[0].__qualname__} is not a"
+            f" subclass of {expected}; match {framework} module classes, or"
+            " module paths with a regex string")
+    out.append(r)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """What the policy means for one module.
+
+  Attributes:
+    policy: the module's effective policy (its own rule's, or inherited).
+    output: the dtype its outputs are cast to (see the module docstring).
+    rule: the index of its own rule in the rule set, or ``None``.
+  """
+
+  policy: Policy
+  output: Any
+  rule: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSet:
+  """A default policy and rules, resolved per module path.
+
+  Attributes:
+    default: the policy of modules no rule reaches.
+    rules: the rules, first match wins (the user's, then the islands).
+    n_user: how many of ``rules`` are the user's (for ``strict``).
+    strict: whether a user rule that matches nothing is an error.
+
+  Example:
+    >>> import flax.linen as nn, jmp_lite.rules
+    >>> rs = jmp_lite.rules.rule_set("p=f32,c=bf16,o=f32", [], (nn.Module,),
+    ...                              "linen", norm_layers=(nn.LayerNorm,))
+    >>> resolved = rs.resolve({(): nn.Module, ("LayerNorm_0",): nn.LayerNorm})
+    >>> str(resolved[("LayerNorm_0",)].policy), resolved[()].output
+    ('p=f32,c=f32,o=bf16', dtype('float32'))
+  """
+
+  default: Policy
+  rules: tuple[Rule, ...]
+  n_user: int
+  strict: bool = False
+
+  def is_island(self, index: int | None) -> bool:
+    """Whether rule ``index`` is the float32 normalisation island."""
+    return index is not None and index >= self.n_user
+
+  def own_rule(self, path: Path, cls: type) -> int | None:
+    """The index of the first rule matching the module, or ``None``."""
+    for i, rule in enumerate(self.rules):
+      if rule.matches(path, cls):
+        return i
+    return None
+
+  def resolve(self, classes: Mapping[Path, type]) -> dict[Path, Resolved]:
+    """Resolves every module of ``classes`` (path -> class).
+
+    Ancestors missing from ``classes`` (modules never seen) are skipped in
+    the inheritance chain.
+
+    Args:
+      classes: the modules, by path; ``()`` is the root.
+
+    Returns:
+      A :class:`Resolved` per path.
+    """
+    own = {p: self.own_rule(p, c) for p, c in classes.items()}
+    out = {}
+    for path in classes:
+      policy = self.default
+      for n in range(len(path), -1, -1):
+        i = own.get(path[:n])
+        if i is not None:
+          policy = self.rules[i].policy
+          break
+      if not path:
+        output = self.default.output_dtype
+      elif own[path] is not None:
+        output = self.rules[own[path]].policy.output_dtype
+      else:
+        output = policy.compute_dtype
+      out[path] = Resolved(policy=policy, output=output, rule=own[path])
+    return out
+
+  def check_strict(self, classes: Mapping[Path, type]) -> None:
+    """With ``strict``, raises if a user rule matches none of ``classes``.
+
+    Args:
+      classes: every module seen, by path.
+
+    Raises:
+      ValueError: naming the unused rules and the modules seen.
+    """
+    if not self.strict:
+      return
+    used = {self.own_rule(p, c) for p, c in classes.items()}
+    unused = [self.rules[i].describe() for i in range(self.n_user)
+              if i not in used]
+    if unused:
+      seen = ", ".join(f"{'/'.join(p) or '<root>'} ({c.__name__})"
+                       for p, c in sorted(classes.items()))
+      raise ValueError(
+          f"strict=True: rule(s) matched no module: {unused}; modules seen:"
+          f" {seen}")
+
+
+def rule_set(policy: Any, rules: Sequence[Any], bases: tuple[type, ...],
+             framework: str, *, norm_layers: tuple[type, ...] = (),
+             float32_norms: bool = True, strict: bool = False,
+             enabled: bool = True) -> RuleSet:
+  """Validates an adapter's arguments into a :class:`RuleSet`.
+
+  Args:
+    policy: the default policy (or string).
+    rules: the user's rules.
+    bases: the framework's module base classes.
+    framework: its name, for errors.
+    norm_layers: the framework's normalisation layers.
+    float32_norms: append ``Rule(norm_layers, p=f32,c=f32,o=<compute>)``
+      after the user's rules.
+    strict: a user rule matching nothing is an error.
+    enabled: ``False`` gives float32 everywhere and no rules.
+
+  Returns:
+    The rule set.
+
+  Raises:
+    TypeError, ValueError: for a bad policy or rule (naming it).
+
+  Example:
+    >>> import flax.linen as nn, jmp_lite.rules
+    >>> rs = jmp_lite.rules.rule_set("bf16", [("head", "f32")], (nn.Module,), "linen")
+    >>> [r.describe() for r in rs.rules]
+    ["path 'head' -> p=f32,c=f32,o=f32"]
+  """
+  policy = as_policy(policy)
+  user = to_rules(rules, bases, framework)
+  if not isinstance(strict, bool) or not isinstance(enabled, bool):
+    raise TypeError(
+        f"strict and enabled must be bools, got {strict!r} and {enabled!r}")
+  if not enabled:
+    return RuleSet(FLOAT32, (), 0, False)
+  all_rules = user
+  if float32_norms and norm_layers:
+    island = Policy(jnp.float32, jnp.float32, policy.compute_dtype)
+    all_rules = user + (Rule(norm_layers, island),)
+  return RuleSet(policy, all_rules, len(user), strict)
+
+
+def cast_inputs(tree: Any, dtype: Any) -> Any:
+  """Casts the floating array leaves of call arguments to ``dtype``.
+
+  nnx objects and variables, typed keys and every non-floating leaf pass
+  through as the same objects (see :func:`jmp_lite.dtypes.is_live_state`).
+
+  Args:
+    tree: the arguments.
+    dtype: the compute dtype.
+
+  Returns:
+    The cast arguments.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.rules
+    >>> jmp_lite.rules.cast_inputs((jnp.ones(2), 3), jnp.bfloat16)[0].dtype
+    dtype(bfloat16)
+  """
+  def cast(x: Any) -> Any:
+    if _dtypes.is_floating_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(cast, tree, is_leaf=_dtypes.is_live_state)
+
+
+def cast_outputs(out: Any, dtype: Any, args: Sequence[Any]) -> Any:
+  """Casts a module call's outputs to ``dtype``, keeping a carry's dtypes.
+
+  If ``args[0]`` is a carry — ``out`` is a tuple whose first element has the
+  tree structure and shapes of ``args[0]`` — that first element is cast back
+  to the dtypes ``args[0]`` had (as given by the caller, before any cast),
+  and the rest to ``dtype``. Everything else goes to ``dtype``.
+
+  Args:
+    out: the outputs.
+    dtype: the module's output dtype.
+    args: the positional arguments as the caller passed them.
+
+  Returns:
+    The cast outputs.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.rules
+    >>> carry, x = jnp.zeros(2), jnp.ones(3)
+    >>> new_carry, y = jmp_lite.rules.cast_outputs(
+    ...     (jnp.ones(2, jnp.bfloat16), jnp.ones(3, jnp.bfloat16)), jnp.bfloat16,
+    ...     (carry, x))
+    >>> new_carry.dtype, y.dtype
+    (dtype('float32'), dtype(bfloat16))
+  """
+  if args and isinstance(out, tuple) and out and _same_shapes(out[0], args[0]):
+    carry = jax.tree.map(
+        lambda new, old: new.astype(old.dtype)
+        if _dtypes.is_floating_array(new) and _dtypes.is_floating_array(old)
+        and new.dtype != old.dtype else new,
+        out[0], args[0], is_leaf=_dtypes.is_live_state)
+    return (carry,) + tuple(cast_inputs(out[1:], dtype))
+  return cast_inputs(out, dtype)
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are one tree of arrays with equal shapes."""
+  la, ta = jax.tree.flatten(a, is_leaf=_dtypes.is_live_state)
+  lb, tb = jax.tree.flatten(b, is_leaf=_dtypes.is_live_state)
+  if ta != tb or not la:
+    return False
+  return all(_dtypes.is_floating_array(x) and _dtypes.is_floating_array(y)
+             and x.shape == y.shape for x, y in zip(la, lb))
