@@ -5,6 +5,7 @@ written for ``jmp`` 0.0.4.
 """
 
 from jmp_lite import dtypes as dtypes
+from jmp_lite import fp8 as fp8
 from jmp_lite import master as master
 from jmp_lite import path_rules as path_rules
 from jmp_lite import step as step
@@ -86,6 +87,7 @@ __all__ = (
     "dtypes",
     "find_nonfinite",
     "float32_region",
+    "fp8",
     "get_policy",
     "gradient_health",
     "half_dtype",

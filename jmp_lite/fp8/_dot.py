@@ -1,0 +1,264 @@
+"""An FP8 ``dot_general`` with a custom VJP: E4M3 forward, E5M2 backward.
+
+How it is written, and why (XLA:GPU on H100): the matmul is a
+``lax.dot_general`` whose *operands are FP8 arrays* and whose result is
+float32 (``preferred_element_type``), followed by one multiply with the
+product of the two de-scale factors. XLA's GEMM rewriter turns an FP8 x FP8
+dot into a cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``) and folds a
+following multiply by a broadcast scalar into the GEMM's scale operand
+(openxla ``gemm_rewriter_fp8_test.cc``: ``UnscaledABUnscaledDF8``,
+``ScaledABUnscaledDColMajorLhsF8``). The alternative, quantise-dequantise
+(cast to FP8, back to bf16/f32, multiply by the scale, then a *higher
+precision* dot), is matched by the same pass only while the
+convert-multiply chain survives the simplifier untouched; when it does not,
+the dot silently runs in bf16/f32 and the program still "works". With FP8
+operands in the jaxpr there is nothing to fall back to silently: the dot is
+FP8 in the program (tests check the jaxpr), a real FP8 GEMM on Hopper/Ada,
+and emulated (converted to float32 around the dot) on XLA:CPU and on GPUs
+without FP8 units. cuBLASLt accepts E4M3 x E4M3, E4M3 x E5M2 and E5M2 x
+E4M3 (never E5M2 x E5M2), which is exactly what the three GEMMs here use.
+
+The backward pass keeps the *FP8* operands as residuals (half the bytes of
+bf16 ones) and quantises the incoming cotangent to ``bwd_dtype`` once, for
+both gradient GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite.fp8._quantize import (amax_of, cast_saturating, scale_for,
+                                    scale_inv_for)
+from jmp_lite.fp8._recipes import (CurrentScaling, DelayedScaling, ROLES,
+                                   ScalingState, check_recipe)
+
+_F32 = np.dtype(np.float32)
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
+                         tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything about one FP8 dot that is not an array (hashable)."""
+
+  dims: DimensionNumbers
+  fwd_dtype: np.dtype
+  bwd_dtype: np.dtype
+  margin: int
+  delayed: bool
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_sharding: Any = None
+
+
+def _normalize_dims(dimension_numbers: Any) -> DimensionNumbers:
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
+            (tuple(int(d) for d in lb), tuple(int(d) for d in rb)))
+  except (TypeError, ValueError):
+    raise TypeError(
+        "dimension_numbers must be ((lhs_contracting, rhs_contracting),"
+        f" (lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
+
+
+def _free(ndim: int, *used: Sequence[int]) -> tuple[int, ...]:
+  taken = set().union(*map(set, used))
+  return tuple(d for d in range(ndim) if d not in taken)
+
+
+def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
+              lhs_ndim: int) -> jax.Array:
+  """The dot_general transpose for the lhs: f32 ``d out / d lhs`` contracted.
+
+  ``out`` is laid out as (batch, lhs free, rhs free). Contracting ``g``'s rhs
+  free dims with ``rhs``'s free dims leaves (batch, lhs free, rhs
+  contracting in rhs order), which a transpose puts back into lhs order.
+  """
+  (lc, rc), (lb, rb) = dims
+  nb = len(lb)
+  lhs_free = _free(lhs_ndim, lc, lb)
+  rhs_free = _free(rhs.ndim, rc, rb)
+  g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
+  out = jax.lax.dot_general(
+      g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+      preferred_element_type=_F32)
+  rc_sorted = sorted(rc)
+  position = {}
+  for i, d in enumerate(lb):
+    position[d] = i
+  for j, d in enumerate(lhs_free):
+    position[d] = nb + j
+  for l_dim, r_dim in zip(lc, rc):
+    position[l_dim] = nb + len(lhs_free) + rc_sorted.index(r_dim)
+  return jax.lax.transpose(out, tuple(position[d] for d in range(lhs_ndim)))
+
+
+def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
+              rhs_ndim: int) -> jax.Array:
+  """The dot_general transpose for the rhs (mirror of :func:`_grad_lhs`)."""
+  (lc, rc), (lb, rb) = dims
+  nb = len(lb)
+  lhs_free = _free(lhs.ndim, lc, lb)
+  rhs_free = _free(rhs_ndim, rc, rb)
+  g_lhs_free = tuple(range(nb, nb + len(lhs_free)))
+  # lhs first, so that the result is (batch, lhs contracting, rhs free):
+  # already close to rhs order for the usual x @ W (no transpose at all).
+  out = jax.lax.dot_general(
+      lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
+      preferred_element_type=_F32)
+  lc_sorted = sorted(lc)
+  position = {}
+  for i, d in enumerate(rb):
+    position[d] = i
+  for l_dim, r_dim in zip(lc, rc):
+    position[r_dim] = nb + lc_sorted.index(l_dim)
+  for j, d in enumerate(rhs_free):
+    position[d] = nb + len(lc) + j
+  return jax.lax.transpose(out, tuple(position[d] for d in range(rhs_ndim)))
+
+
+def _scaled(x: jax.Array, own_amax: jax.Array, delayed_amax: jax.Array,
+            dtype: np.dtype, st: _Static) -> tuple[jax.Array, jax.Array]:
+  """FP8 ``x`` and its de-scale factor, from the history or just in time."""
+  if st.delayed:
+    # An empty history (0) falls back to the tensor's own amax.
+    use = jax.lax.select(delayed_amax > 0, delayed_amax, own_amax)
+  else:
+    use = own_amax
+  scale = scale_for(use, dtype, st.margin)
+  return cast_saturating(x, scale, dtype), scale_inv_for(scale, own_amax)
+
+
+def _forward(lhs, rhs, delayed_amax, st: _Static):
+  a_l, a_r = amax_of(lhs), amax_of(rhs)
+  q_l, inv_l = _scaled(lhs, a_l, delayed_amax[0], st.fwd_dtype, st)
+  q_r, inv_r = _scaled(rhs, a_r, delayed_amax[1], st.fwd_dtype, st)
+  kwargs = {} if st.out_sharding is None else {"out_sharding": st.out_sharding}
+  out = jax.lax.dot_general(q_l, q_r, st.dims, preferred_element_type=_F32,
+                            **kwargs)
+  out = (out * (inv_l * inv_r)).astype(st.out_dtype)
+  return out, (q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax[2])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_dot(lhs, rhs, delayed_amax, probe, st: _Static):
+  del probe  # Only its cotangent matters: the amaxes this step observed.
+  return _forward(lhs, rhs, delayed_amax, st)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, delayed_amax, probe, st: _Static):
+  del probe
+  return _forward(lhs, rhs, delayed_amax, st)
+
+
+def _fp8_dot_bwd(st: _Static, res, g):
+  q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_g = res
+  a_g = amax_of(g)
+  q_g, inv_g = _scaled(g, a_g, delayed_g, st.bwd_dtype, st)
+  d_lhs = _grad_lhs(q_g, q_r, st.dims, q_l.ndim) * (inv_g * inv_r)
+  d_rhs = _grad_rhs(q_l, q_g, st.dims, q_r.ndim) * (inv_l * inv_g)
+  observed = jnp.stack([a_l, a_r, a_g])
+  return (d_lhs.astype(st.lhs_dtype), d_rhs.astype(st.rhs_dtype),
+          jnp.zeros((len(ROLES),), _F32), observed)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def _floating(x: Any, what: str) -> jax.Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"fp8 dot_general: {what} must be a floating array, got"
+                    f" {x.dtype}")
+  return x
+
+
+def dot_general(recipe: CurrentScaling | DelayedScaling,
+                state: ScalingState | None = None) -> Callable[..., jax.Array]:
+  """An FP8 matmul with ``jax.lax.dot_general``'s signature.
+
+  Usable wherever a ``dot_general`` is taken: ``flax.linen.Dense(...,
+  dot_general=...)``, ``flax.nnx.Linear(..., dot_general=...)``,
+  ``jnp.einsum(..., _dot_general=...)`` or called directly.
+
+  Forward: both operands are quantised to ``recipe.fwd_dtype`` with one scale
+  each, multiplied with float32 accumulation and de-scaled; the result has
+  the operands' (promoted) dtype, or ``preferred_element_type``. Backward (a
+  ``custom_vjp``): the incoming cotangent is quantised to
+  ``recipe.bwd_dtype`` before both gradient matmuls; gradients come back in
+  the operands' dtypes. An all-zero operand gives zeros; an operand holding
+  inf or NaN makes the result NaN (so ``loss_scaled`` skips the step rather
+  than FP8 saturation hiding the overflow).
+
+  With :class:`DelayedScaling`, ``state`` (from ``recipe.init()``) supplies
+  the scales, and the gradient with respect to ``state`` is a
+  :class:`ScalingState` whose ``pending`` field holds the amaxes observed
+  (lhs, rhs, cotangent): hand it to :func:`jmp_lite.fp8.commit`.
+
+  Args:
+    recipe: a :class:`CurrentScaling` or :class:`DelayedScaling`.
+    state: the matmul's :class:`ScalingState` (delayed scaling only).
+
+  Returns:
+    ``f(lhs, rhs, dimension_numbers, precision=None,
+    preferred_element_type=None, out_sharding=None)``. ``precision`` is
+    accepted and ignored (the FP8 formats decide the precision);
+    ``out_sharding`` is passed on to the forward matmul.
+
+  Raises:
+    TypeError: for a recipe that is not one, a missing or unexpected
+      ``state``; from ``f``, for non-floating operands, malformed
+      ``dimension_numbers`` or an unknown keyword.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> dot = jmp_lite.fp8.dot_general(jmp_lite.fp8.CurrentScaling())
+    >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.full((3, 4), 0.5, jnp.bfloat16)
+    >>> y = dot(x, w, (((1,), (0,)), ((), ())))
+    >>> y.dtype, y[0, 0].item()
+    (dtype(bfloat16), 1.5)
+  """
+  recipe = check_recipe(recipe)
+  delayed = isinstance(recipe, DelayedScaling)
+  if delayed and not isinstance(state, ScalingState):
+    raise TypeError(
+        "DelayedScaling needs the matmul's state: fp8.dot_general(recipe,"
+        f" state) with state = recipe.init(), got {state!r}")
+  if not delayed and state is not None:
+    raise TypeError("CurrentScaling is stateless; pass no state (got"
+                    f" {type(state).__name__})")
+
+  def fp8_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+                      dimension_numbers: Any, precision: Any = None,
+                      preferred_element_type: Any = None,
+                      out_sharding: Any = None) -> jax.Array:
+    del precision  # The FP8 formats and float32 accumulation decide it.
+    lhs = _floating(lhs, "lhs")
+    rhs = _floating(rhs, "rhs")
+    if preferred_element_type is None:
+      out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    else:
+      out_dtype = np.dtype(jnp.dtype(preferred_element_type))
+    st = _Static(dims=_normalize_dims(dimension_numbers),
+                 fwd_dtype=recipe.fwd_dtype, bwd_dtype=recipe.bwd_dtype,
+                 margin=recipe.margin, delayed=delayed, out_dtype=out_dtype,
+                 lhs_dtype=np.dtype(lhs.dtype), rhs_dtype=np.dtype(rhs.dtype),
+                 out_sharding=out_sharding)
+    if delayed:
+      delayed_amax = recipe.amax(state)
+      probe = jnp.asarray(state.pending, _F32)
+    else:
+      delayed_amax = np.zeros((len(ROLES),), _F32)
+      probe = np.zeros((len(ROLES),), _F32)
+    return _fp8_dot(lhs, rhs, delayed_amax, probe, st)
+
+  return fp8_dot_general

@@ -1,0 +1,134 @@
+"""FP8 matmuls for ``flax.linen`` layers (imports Flax; load it on demand).
+
+* Current scaling needs no module: ``nn.Dense(..., dot_general=
+  jmp_lite.fp8.dot_general(jmp_lite.fp8.CurrentScaling()))``.
+* Delayed scaling keeps a :class:`~jmp_lite.fp8.ScalingState` per matmul in
+  the :data:`COLLECTION` variable collection: ``nn.Dense(...,
+  dot_general_cls=jmp_lite.fp8.linen.dot_general_cls(recipe))``. ``init``
+  creates the collection next to ``params``; ``apply`` reads it (it is never
+  written in the forward pass, so it needs no ``mutable=``). Differentiate
+  the loss with respect to it and pass that gradient to
+  :func:`jmp_lite.fp8.commit`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from jmp_lite.fp8._dot import dot_general
+from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling, check_recipe
+
+COLLECTION = "fp8"
+"""The linen variable collection holding delayed-scaling states."""
+
+VARIABLE = "scaling"
+"""The variable's name inside its :class:`Fp8DotGeneral` module."""
+
+
+class Fp8DotGeneral(nn.Module):
+  """A linen ``dot_general`` module that runs an FP8 recipe.
+
+  Flax's ``Dense``/``DenseGeneral``/``Einsum`` instantiate it through
+  ``dot_general_cls`` inside their own call, so it becomes their child
+  (``Dense_0/Fp8DotGeneral_0``) and its state lives at that path in the
+  :data:`COLLECTION` collection, under :data:`VARIABLE`.
+
+  Attributes:
+    recipe: a :class:`~jmp_lite.fp8.CurrentScaling` (no variables) or a
+      :class:`~jmp_lite.fp8.DelayedScaling`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite
+    >>> import jmp_lite.fp8.linen as fp8_linen
+    >>> recipe = jmp_lite.fp8.DelayedScaling(history=8)
+    >>> layer = nn.Dense(4, dot_general_cls=fp8_linen.dot_general_cls(recipe))
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> sorted(variables), variables["fp8"]["Fp8DotGeneral_0"]["scaling"].history.shape
+    (['fp8', 'params'], (3, 8))
+  """
+
+  recipe: CurrentScaling | DelayedScaling
+
+  @nn.compact
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+               precision: Any = None, preferred_element_type: Any = None,
+               out_sharding: Any = None) -> jax.Array:
+    """Runs :func:`jmp_lite.fp8.dot_general` with this module's state.
+
+    Args:
+      lhs: the left operand.
+      rhs: the right operand.
+      dimension_numbers: as for ``jax.lax.dot_general``.
+      precision: accepted and ignored.
+      preferred_element_type: the result's dtype (default: the operands').
+      out_sharding: passed to the forward matmul.
+
+    Returns:
+      The product.
+    """
+    recipe = check_recipe(self.recipe)
+    state = None
+    if isinstance(recipe, DelayedScaling):
+      state = self.variable(COLLECTION, VARIABLE, recipe.init).value
+    return dot_general(recipe, state)(
+        lhs, rhs, dimension_numbers, precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding)
+
+
+def dot_general_cls(recipe: CurrentScaling | DelayedScaling
+                    ) -> Callable[[], Fp8DotGeneral]:
+  """The zero-argument factory to pass as a linen layer's ``dot_general_cls``.
+
+  Args:
+    recipe: an FP8 recipe.
+
+  Returns:
+    A callable returning a fresh :class:`Fp8DotGeneral` for ``recipe``.
+
+  Raises:
+    TypeError: if ``recipe`` is not an FP8 recipe.
+
+  Example:
+    >>> import jmp_lite, jmp_lite.fp8.linen as fp8_linen
+    >>> fp8_linen.dot_general_cls(jmp_lite.fp8.CurrentScaling())().recipe.margin
+    0
+  """
+  return functools.partial(Fp8DotGeneral, check_recipe(recipe))
+
+
+def layer_fields(recipe: CurrentScaling | DelayedScaling) -> dict[str, Any]:
+  """The fields to set on a linen ``Dense``/``DenseGeneral`` for ``recipe``.
+
+  For policy engines that configure layers by field: current scaling sets
+  ``dot_general`` (a stateless function), delayed scaling sets
+  ``dot_general_cls`` (a module with state in :data:`COLLECTION`); the other
+  field is set to ``None`` so that it cannot take precedence.
+
+  Args:
+    recipe: an FP8 recipe.
+
+  Returns:
+    ``{"dot_general": ..., "dot_general_cls": ...}``.
+
+  Raises:
+    TypeError: if ``recipe`` is not an FP8 recipe.
+
+  Example:
+    >>> import jmp_lite, jmp_lite.fp8.linen as fp8_linen
+    >>> fields = fp8_linen.layer_fields(jmp_lite.fp8.DelayedScaling())
+    >>> fields["dot_general"] is None, callable(fields["dot_general_cls"])
+    (True, True)
+  """
+  recipe = check_recipe(recipe)
+  if isinstance(recipe, DelayedScaling):
+    return {"dot_general": None, "dot_general_cls": dot_general_cls(recipe)}
+  return {"dot_general": dot_general(recipe), "dot_general_cls": None}
+
+
+__all__ = ["COLLECTION", "Fp8DotGeneral", "VARIABLE", "dot_general_cls",
+           "layer_fields"]
