@@ -13,9 +13,10 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob(
     "*.ipynb"))
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
   assert [p.stem for p in NOTEBOOKS] == [
-      "01_quickstart", "02_comparison", "03_migration", "04_debugging"]
+      "01_quickstart", "02_comparison", "03_migration", "04_debugging",
+      "05_pure_bf16"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -31,6 +32,7 @@ def test_notebook_executes_and_shows_outputs(path):
   for cell in nb.cells:
     for out in cell.get("outputs", []):
       assert out.output_type != "error", (out.get("ename"), out.get("evalue"))
-  if path.stem in ("01_quickstart", "02_comparison", "04_debugging"):
+  if path.stem in ("01_quickstart", "02_comparison", "04_debugging",
+                   "05_pure_bf16"):
     assert any("image/png" in out.get("data", {})
                for c in nb.cells for out in c.get("outputs", []))
