@@ -1,0 +1,81 @@
+"""Tests for jmp_lite.presets: the O3 preset's low-precision recipes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite.diagnostics import tree_bytes
+from jmp_lite.presets import preset
+from tests.conftest import assert_dtype
+
+
+def _params(dtype):
+  rng = np.random.default_rng(0)
+  return {"w": jnp.asarray(rng.standard_normal((64, 32)), dtype),
+          "b": jnp.zeros((32,), dtype)}
+
+
+def _adam_state(state):
+  (adam,) = jmp_lite.struct.find_nodes(state, optax.ScaleByAdamState)
+  return adam
+
+
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+@pytest.mark.parametrize("compensation,kind,bytes_per_param", [
+    ("auto", jmp_lite.KahanState, 8), ("kahan", jmp_lite.KahanState, 8),
+    ("stochastic", jmp_lite.StochasticRoundingState, 6)])
+def test_o3_recipe_state_dtypes_and_bytes(half, compensation, kind,
+                                          bytes_per_param):
+  p = preset("O3", half=half, compensation=compensation)
+  dtype = jmp_lite.dtypes.parse_dtype(half)
+  params = _params(dtype)
+  opt = p.optimizer(optax.adam(1e-3))
+  state = opt.init(params)
+  assert isinstance(state, kind)
+  adam = _adam_state(state)
+  assert_dtype(adam.mu["w"], dtype)
+  assert_dtype(adam.nu["w"], dtype)
+  if kind is jmp_lite.KahanState:
+    assert_dtype(state.compensation["w"], dtype)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  # Scalars (counts, the loss scale) add a few bytes in all.
+  total = tree_bytes(params) + tree_bytes(state)
+  assert bytes_per_param * n <= total < bytes_per_param * n + 64
+  # Adam computes in float32 and the loss scale unscales float32 gradients.
+  scale = jmp_lite.current_loss_scale(state)
+  grads = jax.tree.map(lambda x: scale.scale(jnp.full_like(x, 1e-3)), params)
+  updates, new_state = jax.jit(opt.update)(grads, state, params)
+  assert_dtype(updates["w"], jnp.float32)
+  new_params = optax.apply_updates(params, updates)
+  assert_dtype(new_params["w"], dtype)
+  assert float(jnp.abs(new_params["w"].astype(jnp.float32)
+                       - params["w"].astype(jnp.float32)).max()) > 0
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+def test_o3_without_compensation_is_the_plain_pure_half_recipe():
+  p = preset("O3", half="bf16", compensation=None)
+  state = p.optimizer(optax.adam(1e-3)).init(_params(jnp.bfloat16))
+  assert isinstance(state, jmp_lite.LossScaledState)
+  assert_dtype(_adam_state(state).nu["w"], jnp.bfloat16)
+  assert not jmp_lite.struct.find_nodes(state, jmp_lite.StateDtypesState)
+
+
+def test_other_levels_have_no_compensation():
+  for level in ("O0", "O1", "O2"):
+    assert preset(level, half="bf16").compensation is None
+  with pytest.raises(ValueError, match="applies to .* preset 'O3', not 'O2'"):
+    preset("O2", half="bf16", compensation="kahan")
+  with pytest.raises(ValueError, match="Unknown compensation 'fast'"):
+    preset("O3", half="bf16", compensation="fast")
+
+
+def test_o3_stochastic_seed_reaches_the_state():
+  opt = preset("O3", half="bf16", compensation="stochastic").optimizer(
+      optax.adam(1e-3), seed=42)
+  assert int(opt.init(_params(jnp.bfloat16)).seed) == 42
