@@ -1,0 +1,401 @@
+"""jmp_lite.fp8: recipes, quantisation, the FP8 dot_general and its gradients."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jex
+
+import jmp_lite
+from jmp_lite import fp8
+from tests.conftest import FLOAT_DTYPE_IDS, FLOAT_DTYPES, assert_dtype
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
+  """(lhs, rhs) dtype names of every dot_general, sub-jaxprs included."""
+  found = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(tuple(np.dtype(v.aval.dtype).name for v in eqn.invars))
+      for sub in jex.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+  return found
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def normal(seed, shape, dtype=jnp.float32, scale=1.0):
+  # numpy: eager jax.random would compile a kernel per shape.
+  x = scale * np.random.default_rng(seed).standard_normal(shape)
+  return jnp.asarray(x.astype(np.float32), dtype)
+
+
+# ------------------------------------------------------------------ recipes
+
+
+def test_recipe_defaults_are_transformer_engine_s():
+  cur = fp8.CurrentScaling()
+  assert (cur.fwd_dtype, cur.bwd_dtype, cur.margin) == (E4M3, E5M2, 0)
+  delayed = fp8.DelayedScaling()
+  assert (delayed.history, delayed.margin, delayed.amax_compute) == (
+      1024, 0, "max")
+  assert (delayed.fwd_dtype, delayed.bwd_dtype) == (E4M3, E5M2)
+  # Frozen, hashable (a static argument of the custom_vjp) and picklable.
+  assert hash(cur) == hash(fp8.CurrentScaling("float8_e4m3fn"))
+  assert pickle.loads(pickle.dumps(delayed)) == delayed
+  with pytest.raises(Exception, match="cannot assign"):
+    cur.margin = 1
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"fwd_dtype": jnp.bfloat16}, TypeError, "fwd_dtype must be one of the FP8"),
+    ({"bwd_dtype": "int8"}, TypeError, "bwd_dtype must be one of the FP8"),
+    ({"margin": -1}, ValueError, "margin must be >= 0, got -1"),
+    ({"margin": 1.5}, TypeError, "margin must be a Python int"),
+    ({"margin": True}, TypeError, "margin must be a Python int"),
+])
+def test_current_scaling_validation(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    fp8.CurrentScaling(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"history": 0}, ValueError, "history must be >= 1, got 0"),
+    ({"history": 2.0}, TypeError, "history must be a Python int"),
+    ({"amax_compute": "mean"}, ValueError,
+     r"amax_compute must be one of \('max', 'most_recent'\), got 'mean'"),
+    ({"fwd_dtype": jnp.float16}, TypeError, "fwd_dtype must be one of"),
+])
+def test_delayed_scaling_validation(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    fp8.DelayedScaling(**kwargs)
+
+
+# ------------------------------------------------------------- quantisation
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=FLOAT_DTYPE_IDS)
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
+def test_quantize_round_trip_error_is_bounded(fmt, dtype, magnitude):
+  x = normal(0, (256,), dtype, magnitude)
+  q, scale_inv = jax.jit(lambda x: fp8.quantize(x, fmt))(x)
+  assert_dtype(q, fmt)
+  assert_dtype(scale_inv, jnp.float32)
+  back = np.asarray(q, np.float32) * float(scale_inv)
+  ref = np.asarray(x, np.float32)
+  # The amax lands on the format's maximum exactly: nothing saturates.
+  assert float(np.abs(np.asarray(q, np.float32)).max()) == float(
+      jnp.finfo(fmt).max)
+  # Normal-range values round to within half a unit in the last place.
+  mantissa = jnp.finfo(fmt).nmant
+  normal_range = np.abs(ref) * float(1 / scale_inv) >= float(
+      jnp.finfo(fmt).smallest_normal)
+  err = np.abs(back - ref)[normal_range] / np.abs(ref)[normal_range]
+  assert err.max() <= 2.0 ** -(mantissa + 1) * 1.0001
+  # Neither overflow nor a flush of the bulk: under 1% of values are zero.
+  assert np.isfinite(back).all()
+  assert np.mean(back == 0) < 0.01
+
+
+def test_quantize_zero_and_nonfinite_and_margin():
+  q, scale_inv = fp8.quantize(jnp.zeros(4))
+  assert not np.asarray(q, np.float32).any() and float(scale_inv) == 1.0
+  _, scale_inv = fp8.quantize(jnp.array([1.0, jnp.inf]))
+  assert np.isnan(float(scale_inv))
+  _, scale_inv = fp8.quantize(jnp.array([1.0, jnp.nan]))
+  assert np.isnan(float(scale_inv))
+  q, _ = fp8.quantize(jnp.array([1.0, -2.0]), margin=1)
+  assert np.asarray(q, np.float32).tolist() == [112.0, -224.0]
+  # A given amax (a delayed history) smaller than the data saturates.
+  q, scale_inv = fp8.quantize(jnp.array([1.0, 4.0]), amax=2.0)
+  assert np.asarray(q, np.float32).tolist() == [224.0, 448.0]
+  with pytest.raises(TypeError, match="quantize expects a floating array"):
+    fp8.quantize(jnp.arange(3))
+  with pytest.raises(TypeError, match="dtype must be one of the FP8 dtypes"):
+    fp8.quantize(jnp.ones(3), jnp.float16)
+
+
+# --------------------------------------------------------- the FP8 matmul
+
+
+def current_dot():
+  return fp8.dot_general(fp8.CurrentScaling())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=FLOAT_DTYPE_IDS)
+def test_output_and_gradient_dtypes(dtype, variant):
+  dot = current_dot()
+  x, w = normal(0, (8, 16), dtype), normal(1, (16, 4), dtype)
+  y = variant(lambda x, w: dot(x, w, MATMUL))(x, w)
+  assert_dtype(y, dtype)
+  y32 = variant(lambda x, w: dot(x, w, MATMUL,
+                                 preferred_element_type=jnp.float32))(x, w)
+  assert_dtype(y32, jnp.float32)
+  gx, gw = jax.jit(jax.grad(
+      lambda x, w: dot(x, w, MATMUL).astype(jnp.float32).sum(),
+      argnums=(0, 1)))(x, w)
+  assert_dtype(gx, dtype)
+  assert_dtype(gw, dtype)
+  # Mixed operand dtypes: the result promotes, each gradient keeps its own.
+  x16 = x.astype(jnp.bfloat16)
+  w32 = w.astype(jnp.float32)
+  assert_dtype(variant(lambda x, w: dot(x, w, MATMUL))(x16, w32), jnp.float32)
+  gx, gw = jax.jit(jax.grad(lambda x, w: dot(x, w, MATMUL).sum(), (0, 1)))(
+      x16, w32)
+  assert_dtype(gx, jnp.bfloat16)
+  assert_dtype(gw, jnp.float32)
+
+
+def test_jaxpr_of_loss_and_gradient_has_fp8_dots():
+  dot = current_dot()
+  x, w = normal(0, (8, 16)), normal(1, (16, 4))
+
+  def loss(x, w):
+    return jnp.sum(dot(x, w, MATMUL) ** 2)
+
+  fwd = dot_operand_dtypes(jax.make_jaxpr(loss)(x, w))
+  assert fwd == [("float8_e4m3fn", "float8_e4m3fn")]
+  grad = dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
+  assert sorted(grad) == sorted([
+      ("float8_e4m3fn", "float8_e4m3fn"),   # forward
+      ("float8_e5m2", "float8_e4m3fn"),     # d lhs = g . w
+      ("float8_e4m3fn", "float8_e5m2"),     # d rhs = x . g
+  ])
+  # The program XLA receives: every dot in StableHLO has FP8 operands and a
+  # float32 result (XLA:CPU then emulates; XLA:GPU calls cuBLASLt FP8).
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  assert len(dots) == 3, dots
+  for line in dots:
+    assert "f8E" in line and "-> tensor<" in line and "xf32>" in line, line
+
+
+def test_relative_error_against_float32_is_bounded_and_nonzero():
+  dot = current_dot()
+  x, w = normal(0, (64, 256)), normal(1, (256, 32))
+  c = normal(2, (64, 32))
+
+  def loss(x, w, dot_fn):
+    return jnp.sum(dot_fn(x, w, MATMUL) * c)
+
+  y = dot(x, w, MATMUL)
+  ref = jax.lax.dot_general(x, w, MATMUL)
+  err = rel_err(y, ref)
+  # E4M3 rounds each operand to 3 mantissa bits (about 2.6% RMS each; 3.7%
+  # measured for the product): bounded, and not float32 in disguise.
+  assert 0.01 < err < 0.05, err
+  grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
+  gx, gw = grad(x, w, dot)
+  rx, rw = grad(x, w, jax.lax.dot_general)
+  for got, want in ((gx, rx), (gw, rw)):
+    err = rel_err(got, want)
+    # The cotangent is E5M2 (2 mantissa bits, about 5% RMS), the operands
+    # E4M3: about 6% measured.
+    assert 0.02 < err < 0.08, err
+
+
+# Operands whose values times their scale are exactly representable: the FP8
+# matmul must then equal float32's up to float32 rounding of the scales. This
+# pins the transposes of arbitrary dimension numbers exactly.
+EXACT_DIMS = [
+    ((4, 8), (8, 6), (((1,), (0,)), ((), ()))),
+    ((8, 4), (8, 6), (((0,), (0,)), ((), ()))),
+    ((3, 4, 8), (3, 8, 5), (((2,), (1,)), ((0,), (0,)))),
+    ((2, 5, 3, 6), (6, 4, 5, 3), (((2, 3), (3, 0)), ((1,), (2,)))),
+    ((2, 3, 4), (4, 2, 5), (((2,), (0,)), ((0,), (1,)))),
+]
+
+
+def exact_values(seed, shape):
+  # {0, +-1, +-2, +-4} with the amax 4 present: x * (448 / 4) and
+  # g * (57344 / 4) are E4M3 / E5M2 numbers.
+  values = np.array([0.0, 1.0, -1.0, 2.0, -2.0, 4.0, -4.0], np.float32)
+  x = np.random.default_rng(seed).choice(values, shape)
+  x.reshape(-1)[0] = 4.0
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", EXACT_DIMS)
+def test_any_dimension_numbers_forward_and_backward(lhs_shape, rhs_shape,
+                                                    dims):
+  dot = current_dot()
+  x, w = exact_values(0, lhs_shape), exact_values(1, rhs_shape)
+  out_shape = jax.eval_shape(
+      lambda a, b: jax.lax.dot_general(a, b, dims), x, w).shape
+  c = exact_values(2, out_shape)
+
+  def loss(x, w, dot_fn):
+    return jnp.sum(dot_fn(x, w, dims) * c)
+
+  @jax.jit
+  def both(x, w):
+    return (dot(x, w, dims), jax.lax.dot_general(x, w, dims),
+            jax.grad(loss, (0, 1))(x, w, dot),
+            jax.grad(loss, (0, 1))(x, w, jax.lax.dot_general))
+
+  y, ref, got, want = both(x, w)
+  np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+  for g, r in zip(got, want):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero", ["lhs", "rhs", "cotangent"])
+def test_all_zero_operands_give_zeros_never_nan(zero):
+  dot = current_dot()
+  x, w = normal(0, (4, 8)), normal(1, (8, 3))
+  c = normal(2, (4, 3))
+  if zero == "lhs":
+    x = jnp.zeros_like(x)
+  elif zero == "rhs":
+    w = jnp.zeros_like(w)
+  else:
+    c = jnp.zeros_like(c)
+
+  def loss(x, w):
+    return jnp.sum(dot(x, w, MATMUL) * c)
+
+  y = jax.jit(dot, static_argnums=2)(x, w, MATMUL)
+  gx, gw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+  for t in (y, gx, gw):
+    assert np.isfinite(np.asarray(t)).all()
+  if zero != "cotangent":
+    assert not np.asarray(y).any()
+  else:
+    assert not np.asarray(gx).any() and not np.asarray(gw).any()
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e-4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                         ids=["f32", "bf16"])
+def test_large_and_small_magnitudes_neither_overflow_nor_flush(magnitude,
+                                                               dtype):
+  dot = current_dot()
+  x = normal(0, (16, 64), dtype, magnitude)
+  w = normal(1, (64, 8), dtype, magnitude)
+  c = normal(2, (16, 8), jnp.float32, magnitude)
+
+  def loss(x, w, dot_fn):
+    return jnp.sum(dot_fn(x, w, MATMUL).astype(jnp.float32) * c)
+
+  wide = lambda t: t.astype(jnp.float32)
+  y = dot(x, w, MATMUL)
+  ref = jax.lax.dot_general(wide(x), wide(w), MATMUL)
+  assert np.isfinite(np.asarray(y, np.float32)).all()
+  assert rel_err(y, ref) < 0.05
+  grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
+  gx, gw = grad(x, w, dot)
+  rx, rw = grad(wide(x), wide(w), jax.lax.dot_general)
+  for g, r in ((gx, rx), (gw, rw)):
+    g = np.asarray(g, np.float32)
+    assert np.isfinite(g).all()
+    assert np.mean(g == 0) < 0.01
+    assert rel_err(g, r) < 0.08
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_nonfinite_operand_makes_the_result_nan(bad):
+  # Saturating casts must not hide an overflow from loss_scaled.
+  dot = current_dot()
+  x = jnp.ones((2, 4)).at[0, 0].set(bad)
+  y = dot(x, jnp.ones((4, 3)), MATMUL)
+  assert np.isnan(np.asarray(y)).all()
+  gx = jax.grad(lambda w: jnp.sum(dot(x, w, MATMUL)))(jnp.ones((4, 3)))
+  assert not np.isfinite(np.asarray(gx)).all()
+
+
+def test_call_signature_matches_lax_dot_general():
+  dot = current_dot()
+  x, w = normal(0, (4, 8)), normal(1, (8, 3))
+  y = dot(x, w, MATMUL, jax.lax.Precision.HIGHEST, None)
+  chex.assert_trees_all_equal(y, dot(x, w, MATMUL))
+  chex.assert_trees_all_equal(dot(x, w, MATMUL, out_sharding=None), y)
+  # jnp.einsum takes it as its dot_general.
+  z = jnp.einsum("ij,jk->ik", x, w, _dot_general=dot)
+  np.testing.assert_allclose(z, y, rtol=1e-6)
+  # List-valued dimension numbers (as some callers build them).
+  chex.assert_trees_all_equal(dot(x, w, [[[1], [0]], [[], []]]), y)
+
+
+def test_bad_arguments_raise_clear_errors():
+  dot = current_dot()
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  with pytest.raises(TypeError, match="lhs must be a floating array, got int32"):
+    dot(jnp.ones((2, 3), jnp.int32), w, MATMUL)
+  with pytest.raises(TypeError, match="dimension_numbers must be"):
+    dot(x, w, (1, 0))
+  with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+    dot(x, w, MATMUL, foo=1)
+  with pytest.raises(TypeError, match="Expected a jmp_lite.fp8.CurrentScaling"
+                     " or DelayedScaling recipe, got str"):
+    fp8.dot_general("e4m3")
+  with pytest.raises(TypeError, match="DelayedScaling needs the matmul's state"):
+    fp8.dot_general(fp8.DelayedScaling())
+  with pytest.raises(TypeError, match="CurrentScaling is stateless"):
+    fp8.dot_general(fp8.CurrentScaling(), fp8.DelayedScaling().init())
+
+
+def test_vmap_and_remat_compose():
+  dot = current_dot()
+  xs, w = normal(0, (3, 4, 8)), normal(1, (8, 2))
+
+  @jax.jit
+  def run(xs, w):
+    ys = jax.vmap(lambda x: dot(x, w, MATMUL))(xs)
+    remat = lambda w: jnp.sum(jax.checkpoint(lambda w: dot(xs[0], w, MATMUL))(
+        w))
+    plain = lambda w: jnp.sum(dot(xs[0], w, MATMUL))
+    return ys[1], dot(xs[1], w, MATMUL), jax.grad(remat)(w), jax.grad(plain)(w)
+
+  a, b, c, d = run(xs, w)
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+  np.testing.assert_allclose(c, d, rtol=1e-6)
+
+
+def test_importing_fp8_does_not_import_flax():
+  code = ("import sys, jmp_lite, jmp_lite.fp8; "
+          "assert 'flax' not in sys.modules, sorted("
+          "m for m in sys.modules if m.startswith('flax'))")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- health
+
+
+def test_quantization_health_counts_saturation_flush_and_subnormals():
+  x = {"w": jnp.array([1.0, 1e-6, 1e-5, 0.0, 2.0]), "step": jnp.int32(3)}
+  h = jax.jit(fp8.quantization_health)(x)
+  assert h.amax["step"] is None
+  assert float(h.amax["w"]) == 2.0
+  assert float(h.saturated["w"]) == 0.0
+  # Scale 224: 1e-6 -> 2.2e-4 flushes, 1e-5 -> 2.2e-3 is subnormal.
+  assert float(h.flushed["w"]) == 0.25
+  assert float(h.subnormal["w"]) == 0.25
+  # A stale, smaller amax (from a history) saturates values beyond it.
+  h = fp8.quantization_health(x, amax={"w": 1.0, "step": None})
+  assert float(h.saturated["w"]) == pytest.approx(0.2)
+  # E5M2 has more range: nothing flushes there.
+  h = fp8.quantization_health(x, jnp.float8_e5m2)
+  assert float(h.flushed["w"]) == 0.0
+  with pytest.raises(TypeError, match="dtype must be one of the FP8"):
+    fp8.quantization_health(x, jnp.bfloat16)
