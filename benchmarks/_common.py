@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: sizes, HLO counts, interleaved timing."""
+"""Helpers shared by the benchmarks: sizes, HLO counts, memory, timing."""
 
 from __future__ import annotations
 
@@ -35,6 +35,73 @@ def bytes_accessed(compiled: Any) -> float:
   if isinstance(cost, list):  # Older JAX returned one dict per device.
     cost = cost[0]
   return float(cost["bytes accessed"])
+
+
+def peak_bytes(compiled: Any) -> int:
+  """Peak device memory of a compiled step, from ``memory_analysis()``.
+
+  Arguments plus outputs not aliased to a donated argument plus XLA's
+  temporaries: what the step needs resident at once.
+  """
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes
+             - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def tree_nbytes(tree: Any) -> int:
+  """Bytes of the array leaves of ``tree``."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                 if hasattr(x, "dtype")))
+
+
+def mlp(width: int, depth: int, dtype: Any) -> Any:
+  """A Flax MLP: ``depth`` Dense layers, float32 params, ``dtype`` compute.
+
+  Written the way Flax users write it (``dtype=`` on every layer); the last
+  layer's output is returned in float32.
+  """
+  import flax.linen as nn
+  import jax.numpy as jnp
+
+  class MLP(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = x.astype(dtype)
+      for _ in range(depth - 1):
+        x = nn.relu(nn.Dense(width, dtype=dtype)(x))
+      return nn.Dense(width, dtype=dtype)(x).astype(jnp.float32)
+
+  return MLP()
+
+
+def compile_steps(variants: dict[str, tuple[Callable, Callable]], params: Any,
+                  *args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Jits every ``step(state, *args) -> state`` with the state donated.
+
+  ``variants`` maps a name to ``(init(params) -> state, step)``. Returns
+  ``(jitted steps, stats)`` where stats hold XLA's bytes accessed, the peak
+  memory and a trace counter per variant; two warm-up steps have run (a
+  state whose leaf types change after one step recompiles there, not in the
+  timed loop); the state is in ``stats[name]["state"]``.
+  """
+  jitted, stats = {}, {}
+  for name, (init, step) in variants.items():
+    traces = [0]
+
+    def counted(state, *a, step=step, traces=traces):
+      traces[0] += 1
+      return step(state, *a)
+
+    fn = jax.jit(counted, donate_argnums=0)
+    state = init(jax.tree.map(lambda x: x.copy(), params))
+    compiled = fn.lower(state, *args).compile()
+    stats[name] = {"bytes": bytes_accessed(compiled),
+                   "peak": peak_bytes(compiled), "traces": traces}
+    state = fn(fn(state, *args), *args)
+    stats[name]["state"] = jax.block_until_ready(state)
+    jitted[name] = fn
+  return jitted, stats
 
 
 def interleaved_seconds(steps: dict[str, Callable[[Any], Any]],

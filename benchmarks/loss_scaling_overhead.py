@@ -1,12 +1,18 @@
-"""What does loss scaling + non-finite skipping cost in a jitted train step?
+"""What does loss scaling + non-finite skipping cost in a donated train step?
 
-Builds one jitted Flax MLP train step (Adam) several ways and reports, for each:
+Builds one Flax MLP train step (Adam) several ways, each jitted as real
+training scripts jit it: ``jax.jit(step, donate_argnums=0)`` with params and
+optimizer state in the donated state. For each variant it reports:
 
-* extra bytes accessed over the plain step, in units of the gradients' bytes,
-  from XLA's cost model (``jit(...).lower(...).compile().cost_analysis()``);
+* extra bytes accessed over the plain donated step of the same compute dtype,
+  in units of the gradients' bytes (XLA's cost model,
+  ``compiled.cost_analysis()``);
+* peak memory (``compiled.memory_analysis()``: arguments + unaliased outputs
+  + temporaries) and its ratio to the plain step's;
 * the wall-clock ratio to the plain step, timed interleaved (plain, a, b, ...,
   plain, a, b, ...) so that machine noise hits every variant alike;
-* whether moving scale values ever recompile (traces over the timed steps).
+* how many times the step was traced over the whole run (moving loss-scale
+  values must never recompile).
 
 Run: ``python benchmarks/loss_scaling_overhead.py`` (``--help`` for sizes).
 Needs the bench extra (``pip install -e ".[bench]"``) for the ``jmp`` anchor.
@@ -18,38 +24,24 @@ import functools
 import statistics
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jmp_lite
-from _common import bytes_accessed, interleaved_seconds, size_parser
+from _common import (compile_steps, interleaved_seconds, mlp, size_parser,
+                     tree_nbytes)
+
+SCALE = 2.0**15
 
 
-class MLP(nn.Module):
-  width: int
-  depth: int
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.depth - 1):
-      x = nn.relu(nn.Dense(self.width)(x))
-    return nn.Dense(self.width)(x)
-
-
-def _loss(model, params, x, y):
-  return jnp.mean((model.apply(params, x) - y) ** 2)
-
-
-def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
+def build_variants(loss: Callable, compute: str,
+                   lr: float) -> dict[str, tuple[Callable, Callable]]:
   """Returns name -> (init(params) -> state, step(state, x, y) -> state)."""
   adam = optax.adam(lr)
-  loss = functools.partial(_loss, model)
-  variants = {}
+  variants: dict[str, tuple[Callable, Callable]] = {}
 
-  # 1. Plain: no scaling, no check.
   def plain_init(params):
     return params, adam.init(params)
 
@@ -61,37 +53,32 @@ def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
 
   variants["plain"] = (plain_init, plain_step)
 
-  # 0. The finiteness check alone: plain step that also returns all_finite.
-  def check_init(params):
-    return params, adam.init(params), jnp.array(True)
+  def with_opt(opt, uaa):
+    def init(params):
+      return params, opt.init(params)
 
-  def check_step(state, x, y):
-    params, opt_state, _ = state
-    grads = jax.grad(loss)(params, x, y)
-    finite = jmp_lite.all_finite(grads)
-    updates, opt_state = adam.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, finite
+    def step(state, x, y):
+      params, opt_state = state
+      _, grads = jmp_lite.scaled_value_and_grad(loss, opt_state)(params, x, y)
+      if uaa:
+        return jmp_lite.update_and_apply(opt, grads, opt_state, params)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
 
-  variants["all_finite only"] = (check_init, check_step)
+    return init, step
 
-  # 2. jmp_lite.loss_scaled with a dynamic scale.
-  opt = jmp_lite.loss_scaled(adam, jmp_lite.DynamicLossScale(2.0**15))
+  def scaled(skip_with="auto"):
+    return jmp_lite.loss_scaled(adam, jmp_lite.DynamicLossScale(SCALE),
+                                skip_with=skip_with)
 
-  def ls_init(params):
-    return params, opt.init(params)
+  variants["jmp_lite.update_and_apply"] = with_opt(scaled(), True)
+  variants["update_and_apply, skip_with=select"] = with_opt(
+      scaled("select"), True)
+  variants["loss_scaled.update + apply_updates"] = with_opt(scaled(), False)
 
-  def ls_step(state, x, y):
-    params, opt_state = state
-    scale = jmp_lite.current_loss_scale(opt_state)
-    grads = jax.grad(lambda p: scale.scale(loss(p, x, y)))(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  variants["jmp_lite.loss_scaled"] = (ls_init, ls_step)
-
-  # 3. The manual, jmp-style path with jmp_lite's own states.
+  # The manual, jmp-style recipe with jmp_lite's own states.
   def manual_init(params):
-    return params, adam.init(params), jmp_lite.DynamicLossScale(2.0**15)
+    return params, adam.init(params), jmp_lite.DynamicLossScale(SCALE)
 
   def manual_step(state, x, y):
     params, opt_state, scale = state
@@ -104,19 +91,18 @@ def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
         finite, (new_params, new_opt_state), (params, opt_state))
     return params, opt_state, scale.adjust(finite)
 
-  variants["jmp_lite manual"] = (manual_init, manual_step)
+  variants["manual jmp-style (jmp_lite)"] = (manual_init, manual_step)
 
-  # 4. DeepMind jmp (the anchor), same recipe with its own classes.
   try:
     import jmp
   except ImportError:
     jmp = None
   if jmp is not None:
-    # jmp's own state cannot be passed through jit(...).lower() (its
-    # __post_init__ validates placeholder leaves), so its two arrays travel
-    # and the state is rebuilt inside the step.
+    # jmp's own state cannot go through jit(...).lower() (its __post_init__
+    # validates placeholder leaves): its two arrays travel, the state is
+    # rebuilt inside the step.
     def jmp_init(params):
-      return (params, adam.init(params), jnp.asarray(2.0**15, jnp.float32),
+      return (params, adam.init(params), jnp.asarray(SCALE, jnp.float32),
               jnp.zeros((), jnp.int32))
 
     def jmp_step(state, x, y):
@@ -132,13 +118,12 @@ def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
       scale = scale.adjust(finite)
       return params, opt_state, scale.loss_scale, scale.counter
 
-    variants["jmp (anchor)"] = (jmp_init, jmp_step)
+    variants["DeepMind jmp"] = (jmp_init, jmp_step)
 
-  # 5. Flax DynamicScale, as in Flax's own examples.
   from flax.training.dynamic_scale import DynamicScale
 
   def flax_init(params):
-    return params, adam.init(params), DynamicScale()
+    return params, adam.init(params), DynamicScale(scale=SCALE)
 
   def flax_step(state, x, y):
     params, opt_state, dyn = state
@@ -150,9 +135,8 @@ def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
     opt_state = jax.tree.map(pick, new_opt_state, opt_state)
     return params, opt_state, dyn
 
-  variants["flax DynamicScale"] = (flax_init, flax_step)
+  variants["Flax DynamicScale"] = (flax_init, flax_step)
 
-  # 6. optax.apply_if_finite (skips, no scaling).
   aif = optax.apply_if_finite(adam, max_consecutive_errors=5)
 
   def aif_init(params):
@@ -164,115 +148,78 @@ def build_variants(model, lr: float) -> dict[str, tuple[Callable, Callable]]:
     updates, opt_state = aif.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  variants["optax.apply_if_finite"] = (aif_init, aif_step)
+  variants["optax.apply_if_finite (no scaling)"] = (aif_init, aif_step)
   return variants
 
 
-def update_only_costs(params: Any) -> dict[str, float]:
-  """Bytes accessed by the optimizer update alone (gradients given as inputs).
-
-  This isolates each wrapper's own cost from how XLA happens to fuse it with
-  the backward pass.
-  """
-  adam = optax.adam(1e-4)
-
-  def with_opt(opt):
-    def f(p, s, g):
-      u, s = opt.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return f, opt.init
-
-  def manual(p, s, g):
-    params_in = p
-    opt_state, scale = s
-    g = scale.unscale(g)
-    finite = jmp_lite.all_finite(g)
-    u, new_s = adam.update(g, opt_state, p)
-    p, opt_state = jmp_lite.select_tree(
-        finite, (optax.apply_updates(p, u), new_s), (params_in, opt_state))
-    return p, (opt_state, scale.adjust(finite))
-
-  fns = {
-      "plain": with_opt(adam),
-      "all_finite only": (
-          lambda p, s, g: (*with_opt(adam)[0](p, s, g),
-                           jmp_lite.all_finite(g)), adam.init),
-      "jmp_lite.skip_nonfinite": with_opt(jmp_lite.skip_nonfinite(adam)),
-      "jmp_lite.loss_scaled": with_opt(jmp_lite.loss_scaled(
-          adam, jmp_lite.DynamicLossScale(2.0**15))),
-      "jmp_lite manual": (manual, lambda p: (
-          adam.init(p), jmp_lite.DynamicLossScale(2.0**15))),
-      "optax.apply_if_finite": with_opt(
-          optax.apply_if_finite(adam, max_consecutive_errors=5)),
-  }
-  out = {}
-  for name, (f, init) in fns.items():
-    out[name] = bytes_accessed(
-        jax.jit(f).lower(params, init(params), params).compile())
-  return out
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-  args = size_parser(__doc__.splitlines()[0], width=1024, depth=4,
-                     batch=256).parse_args(argv)
-
-  model = MLP(args.width, args.depth)
+  parser = size_parser(__doc__.splitlines()[0], width=1024, depth=4,
+                       batch=256)
+  parser.add_argument("--compute", nargs="+", default=["f32", "f16"],
+                      choices=["f32", "f16"],
+                      help="compute dtypes to tabulate")
+  args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
   y = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
+
+  def loss_for(dtype):
+    model = mlp(args.width, args.depth, dtype)
+    return model, (lambda p, x, y: jnp.mean((model.apply(p, x) - y) ** 2))
+
+  model, _ = loss_for(jnp.float32)
   params = model.init(jax.random.key(0), x)
-  grad_bytes = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(params))
-
-  variants = build_variants(model, 1e-4)
-  compiled, states, traces, costs = {}, {}, {}, {}
-  for name, (init, step) in variants.items():
-    traces[name] = 0
-
-    def counted(state, x, y, step=step, name=name):
-      traces[name] += 1
-      return step(state, x, y)
-
-    jitted = jax.jit(counted, donate_argnums=0)
-    state = init(jax.tree.map(jnp.copy, params))
-    costs[name] = bytes_accessed(jitted.lower(state, x, y).compile())
-    compiled[name] = jitted
-    states[name] = jax.block_until_ready(jitted(state, x, y))  # Warm-up.
-
-  times = interleaved_seconds(
-      {k: (lambda s, f=f: f(s, x, y)) for k, f in compiled.items()}, states,
-      n_steps=args.steps, rounds=args.rounds)
-
-  base_bytes = costs["plain"]
-  base_time = statistics.median(times["plain"])
+  grad_bytes = tree_nbytes(params)
+  device = jax.devices()[0]
+  print(f"MLP {args.depth}x{args.width}, batch {args.batch}, Adam, float32"
+        f" params, on {device.platform} ({device.device_kind}); gradients ="
+        f" {grad_bytes / 2**20:.1f} MiB; every step jitted with params and"
+        f" optimizer state donated; {args.rounds} interleaved rounds of"
+        f" {args.steps} steps")
   rows = []
-  for name in variants:
-    rows.append({
-        "variant": name,
-        "extra_bytes_per_grad_bytes": (costs[name] - base_bytes) / grad_bytes,
-        "time_ratio": statistics.median(times[name]) / base_time,
-        "ms_per_step": 1000 * statistics.median(times[name]),
-        "traces": traces[name],
-    })
-  print(f"MLP {args.depth}x{args.width}, batch {args.batch}, Adam, on"
-        f" {jax.devices()[0].platform}; gradients = {grad_bytes / 2**20:.1f}"
-        f" MiB; {args.rounds} interleaved rounds of {args.steps} steps\n")
-  print(f"| {'variant':24} | extra bytes / grad bytes | time vs plain |"
-        f" ms/step | compilations |")
-  print(f"|{'-' * 26}|--------------------------|---------------|---------|"
-        f"--------------|")
-  for r in rows:
-    print(f"| {r['variant']:24} | {r['extra_bytes_per_grad_bytes']:24.2f} |"
-          f" {r['time_ratio']:13.2f} | {r['ms_per_step']:7.1f} |"
-          f" {r['traces']:12d} |")
-  update_costs = update_only_costs(params)
-  print("\nOptimizer update alone (gradients as inputs):\n")
-  print(f"| {'variant':24} | extra bytes / grad bytes |")
-  print(f"|{'-' * 26}|--------------------------|")
-  for name, value in update_costs.items():
-    extra = (value - update_costs["plain"]) / grad_bytes
-    print(f"| {name:24} | {extra:24.2f} |")
-    rows.append({"variant": name + " (update only)",
-                 "extra_bytes_per_grad_bytes": extra})
+  for compute in args.compute:
+    variants = build_variants(loss_for(DTYPES[compute])[1], compute, 1e-4)
+    if compute == "f32":
+      # The bfloat16 plain step, for reference (needs no loss scaling).
+      variants = dict(variants)
+      variants["plain, bf16 compute"] = build_variants(
+          loss_for(jnp.bfloat16)[1], "bf16", 1e-4)["plain"]
+    jitted, stats = compile_steps(variants, params, x, y)
+    states = {k: v.pop("state") for k, v in stats.items()}
+    times = interleaved_seconds(
+        {k: (lambda s, f=f: f(s, x, y)) for k, f in jitted.items()}, states,
+        n_steps=args.steps, rounds=args.rounds)
+    base = stats["plain"]
+    base_time = statistics.median(times["plain"])
+    print(f"\n{compute} compute (extra bytes and ratios against the plain"
+          f" donated {compute} step):\n")
+    print("| variant | extra bytes / grad bytes | peak MiB | peak vs plain"
+          " | time vs plain | ms/step | traces |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in variants:
+      st = stats[name]
+      t = statistics.median(times[name])
+      row = {
+          "compute": compute, "variant": name,
+          "extra_bytes_per_grad_bytes": (st["bytes"] - base["bytes"])
+          / grad_bytes,
+          "peak_mib": st["peak"] / 2**20,
+          "peak_ratio": st["peak"] / base["peak"],
+          "time_ratio": t / base_time, "ms_per_step": 1000 * t,
+          "traces": st["traces"][0],
+      }
+      rows.append(row)
+      print(f"| {name} | {row['extra_bytes_per_grad_bytes']:.2f} |"
+            f" {row['peak_mib']:.1f} | {row['peak_ratio']:.3f} |"
+            f" {row['time_ratio']:.2f} | {row['ms_per_step']:.1f} |"
+            f" {row['traces']} |")
+  kind, why = jmp_lite.step.formulation(
+      jmp_lite.loss_scaled(optax.adam(1e-4), jmp_lite.DynamicLossScale(
+          SCALE)).init(params))
+  print(f"\njmp_lite.update_and_apply on {device.platform}: {kind} ({why})")
   return rows
 
 

@@ -241,4 +241,37 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                       steps=args.steps, width=args.width, depth=args.depth,
                       batch=args.batch, master=run.master, progress=progress))
   print(format_table(rows))
+  for note in hardware_notes([jmp_lite.get_policy(RUNS[n].policy)
+                              for n in args.runs]):
+    print(f"note: {note}")
   return rows
+
+
+def hardware_notes(policies: Sequence[jmp_lite.Policy],
+                   device: object = None) -> list[str]:
+  """Why a run's speed-up may be below 1 here: :func:`check_hardware`'s reasons.
+
+  On the CPU half precision is emulated, so float16/bfloat16 runs are slower
+  than float32; without this note a 0.6-0.9x speed-up reads like a defect.
+
+  Args:
+    policies: the runs' policies (their compute dtypes are checked).
+    device: the device; default the first local device.
+
+  Returns:
+    The distinct messages, in order of first appearance.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite.demo import hardware_notes
+    >>> hardware_notes([jmp_lite.get_policy("f32")])
+    []
+    >>> hardware_notes([jmp_lite.get_policy("p=f32,c=bf16,o=f32")])  # on CPU
+    ['bfloat16 on the CPU is emulated and usually slower than float32; mixed precision pays off on GPUs and TPUs']
+  """
+  notes: list[str] = []
+  for policy in policies:
+    for message in jmp_lite.check_hardware(policy, device, warn=False):
+      if message not in notes:
+        notes.append(message)
+  return notes

@@ -22,7 +22,8 @@ compiled is the guard's ``skip_with`` option:
   ``benchmarks/gpu_step.py`` on your accelerator and pass ``skip_with=``
   the faster one).
 
-Both formulations give bit-identical results.
+Skipped steps are bit-identical either way; applied steps agree up to float
+rounding (XLA fuses the same arithmetic differently in the two programs).
 """
 
 from __future__ import annotations
@@ -394,7 +395,7 @@ def skip_nonfinite(
       then skip together when any device's shard is non-finite. Not needed
       under ``jax.jit`` with sharded arrays, where the check is global.
     skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
-      is compiled; results are bit-identical.
+      is compiled (see the module docstring).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -547,8 +548,8 @@ def loss_scaled(
       read of the updates. ``None`` (default) turns it on exactly when
       ``allow_half_state`` is true.
     skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
-      is compiled (see the module docstring); results are bit-identical.
-      ``check_updates`` and a scale that may drop below 1 always select.
+      is compiled (see the module docstring). ``check_updates`` and a scale
+      that may drop below 1 always select.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a

@@ -134,3 +134,59 @@ def test_float16_unscaling_happens_in_float32():
   _, state = opt.update({"w": jnp.full((1,), 2.0**-10, jnp.float16)}, state,
                         params)
   assert float(jmp_lite.master_params(state)["w"][0]) == -(2.0**-25)
+
+
+def _buffers(tree):
+  return [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+          if isinstance(x, jax.Array) for s in x.addressable_shards]
+
+
+@pytest.mark.parametrize("variant_jit", ["update", "update_and_apply"])
+def test_donated_o2_step_with_float32_norm_params(variant_jit):
+  """Issue 9.9: float32 params (norm islands) must not alias the master copy.
+
+  Before the fix, init reused float32 params as their own master copy, and a
+  step jitted with donate_argnums=(0, 1) failed: "Attempt to donate the same
+  buffer twice".
+  """
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**8)))
+  # Integer leaves are carried as copies too.
+  with_int = {"norm_scale": jnp.ones((3,)), "step": jnp.array(0)}
+  int_state = jmp_lite.master_weights(optax.identity()).init(with_int)
+  assert not set(_buffers(int_state)) & set(_buffers(with_int))
+  assert_dtype(int_state.master["step"], jnp.int32)
+  params = {"dense": jnp.ones((4, 3), jnp.bfloat16),
+            "norm_scale": jnp.ones((3,), jnp.float32)}
+  state = opt.init(params)
+  assert not set(_buffers(state)) & set(_buffers(params))
+  assert_dtype(state.master["norm_scale"], jnp.float32)
+
+  def step(params, state, x):
+    scale = jmp_lite.current_loss_scale(state)
+    grads = jax.grad(lambda p: scale.scale(jnp.sum(
+        (x @ p["dense"].astype(jnp.float32)) * p["norm_scale"])))(params)
+    if variant_jit == "update_and_apply":
+      return jmp_lite.update_and_apply(opt, grads, state, params)
+    updates, state = opt.update(grads, state, params)
+    return jmp_lite.step.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(3):
+    params, state = step(params, state, jnp.ones((2, 4)))
+  assert float(params["norm_scale"][0]) < 1.0
+  assert_dtype(params["dense"], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
+def test_skipped_step_keeps_negative_zero_half_params(dtype):
+  params = {"w": jnp.array([-0.0, 0.0, 1.0], dtype)}
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.sgd(0.1), jmp_lite.NoOpLossScale()))
+  state = opt.init(params)
+  updates, state = opt.update({"w": jnp.array([1.0, jnp.nan, 0.0], dtype)},
+                              state, params)
+  new = optax.apply_updates(params, updates)
+  assert np.signbit(np.asarray(new["w"], np.float32)).tolist() == [
+      True, False, False]
+  chex.assert_trees_all_equal(new, params)

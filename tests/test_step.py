@@ -630,3 +630,42 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   state = jmp_lite.loss_scaled_state(optimizer.opt_state)
   assert int(state.total_skips) == 1 and not bool(state.last_finite)
   assert isinstance(state.total_skips, jax.Array)
+
+
+# ------------------------------------------------------------------ docs
+
+
+def _docs_blocks():
+  import re
+  from pathlib import Path
+  text = (Path(__file__).resolve().parents[1] / "docs" / "train_step.md"
+          ).read_text()
+  return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_docs_train_step_page_runs():
+  blocks = _docs_blocks()
+  assert len(blocks) >= 6
+  namespace: dict = {}
+  for i, block in enumerate(blocks):
+    exec(compile(block, f"docs/train_step.md[python block {i}]", "exec"),
+         namespace)
+  assert int(jmp_lite.loss_scaled_state(namespace["opt_state"]).total_skips
+             ) == 1
+
+
+def test_docs_float32_to_loss_scaled_is_two_lines():
+  import difflib
+
+  def step_lines(block):
+    lines = block.splitlines()
+    start = lines.index("params = init_params()")
+    end = next(i for i, l in enumerate(lines)
+               if l.startswith("params, opt_state, loss = train_step("))
+    return [l.split("  # changed")[0].rstrip() for l in lines[start:end + 1]]
+
+  f32, scaled = (step_lines(b) for b in _docs_blocks()[:2])
+  changed = [l for l in difflib.unified_diff(f32, scaled, lineterm="", n=0)
+             if l.startswith("+") and not l.startswith("+++")]
+  assert len(changed) == 2, changed
+  assert "loss_scaled" in changed[0] and "scaled_value_and_grad" in changed[1]

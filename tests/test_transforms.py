@@ -282,3 +282,109 @@ def test_check_updates_skips_optimizer_made_overflow():
   _, dyn_state = dyn.update(grads, dyn.init(params), params)
   assert int(dyn_state.total_skips) == 1
   assert float(dyn_state.loss_scale.loss_scale) == 8.0
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.parametrize("guard", ["loss_scaled", "skip_nonfinite"])
+def test_both_formulations_skip_bit_identically(guard, skip_with):
+  """Fault injection through opt.update: a skip changes nothing, either way."""
+  if guard == "loss_scaled":
+    opt = jmp_lite.loss_scaled(_adam_with_schedule(),
+                               jmp_lite.DynamicLossScale(2.0**4, period=2),
+                               skip_with=skip_with)
+  else:
+    opt = jmp_lite.skip_nonfinite(_adam_with_schedule(), skip_with=skip_with)
+  step = jax.jit(lambda p, s, g: _apply(opt, p, s, g))
+  params = _params()
+  params["b"] = params["b"].at[1].set(-0.0)
+  state = opt.init(params)
+  for i, bad in enumerate([np.inf, None, np.nan, -np.inf, None, None]):
+    before = (params, state.inner_state)
+    params, state = step(params, state, _grads(scale=16.0, bad=bad))
+    if bad is None:
+      assert bool(state.last_finite)
+      continue
+    chex.assert_trees_all_equal((params, state.inner_state), before)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0])):
+      np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
+    assert not bool(state.last_finite)
+  assert int(state.total_skips) == 3
+  # Adam's count moved on the three applied steps only.
+  assert int(state.inner_state[1][0].count) == 3
+
+
+def test_formulations_agree_on_applied_steps():
+  """cond and select run the same arithmetic: equal up to float rounding."""
+  out = {}
+  for skip_with in ("cond", "select"):
+    opt = jmp_lite.loss_scaled(_adam_with_schedule(),
+                               jmp_lite.DynamicLossScale(2.0**4, period=2),
+                               skip_with=skip_with)
+    step = jax.jit(lambda p, s, g, opt=opt: _apply(opt, p, s, g))
+    params = _params()
+    state = opt.init(params)
+    for i in range(8):
+      params, state = step(params, state, _grads(scale=16.0 * (1 + i),
+                                                 bad=np.nan if i == 3 else None))
+    out[skip_with] = (params, state)
+  chex.assert_trees_all_close(jax.tree.leaves(out["cond"]),
+                              jax.tree.leaves(out["select"]), rtol=1e-6,
+                              atol=1e-9)
+  assert out["cond"][1].config.skip_with == "cond"
+  assert out["select"][1].config.skip_with == "select"
+
+
+def test_guard_config_lives_in_the_tree_structure():
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(4.0),
+                             axis_name="data", check_updates=True,
+                             skip_with="cond")
+  state = opt.init(_params())
+  assert state.config == jmp_lite.transforms.GuardConfig(
+      axis_name="data", skip_with="cond", check_updates=True,
+      may_amplify=False)
+  # Static: not a leaf, survives tree_map and eval_shape, part of the treedef.
+  assert state.config not in jax.tree.leaves(state)
+  assert jax.tree.map(lambda x: x, state).config == state.config
+  assert jax.eval_shape(lambda s: s, state).config == state.config
+  low = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(
+      4.0, min_loss_scale=0.5)).init(_params())
+  assert low.config.may_amplify
+  assert low.config.formulation()[0] == "select"
+  assert state.config.formulation() == (
+      "select", state.config.formulation()[1])
+  assert "check_updates" in state.config.formulation()[1]
+
+
+def test_skip_with_and_axis_name_validation():
+  with pytest.raises(ValueError, match=r"skip_with must be one of \('auto',"
+                     r" 'cond', 'select'\), got 'branch'"):
+    jmp_lite.loss_scaled(optax.sgd(0.1), "f32", skip_with="branch")
+  with pytest.raises(ValueError, match="skip_with must be one of"):
+    jmp_lite.skip_nonfinite(optax.sgd(0.1), skip_with=None)
+  with pytest.raises(TypeError, match="axis_name must be None, a str"):
+    jmp_lite.loss_scaled(optax.sgd(0.1), "f32", axis_name=["data"])
+
+
+def test_skipped_updates_keep_the_inner_updates_structure():
+  """With cond, a skipped step's updates have the inner's dtypes and shapes."""
+  def inner_update(updates, state, params=None):
+    # Updates in a dtype other than the gradients'.
+    return jax.tree.map(lambda g: g.astype(jnp.bfloat16), updates), state
+
+  inner = optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                       inner_update)
+  opt = jmp_lite.skip_nonfinite(inner, skip_with="cond")
+  params = {"w": jnp.ones(3)}
+  updates, _ = jax.jit(opt.update)({"w": jnp.array([1.0, jnp.nan, 0.0])},
+                                   opt.init(params), params)
+  assert_dtype(updates["w"], jnp.bfloat16)
+  assert np.signbit(np.asarray(updates["w"], np.float32)).all()
+
+
+def test_loss_scale_state_is_copied_into_each_state():
+  scale = jmp_lite.DynamicLossScale(jnp.float32(8.0))
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1), scale)
+  a, b = opt.init(_params()), opt.init(_params())
+  assert a.loss_scale.loss_scale is not scale.loss_scale
+  assert (a.loss_scale.loss_scale.unsafe_buffer_pointer()
+          != b.loss_scale.loss_scale.unsafe_buffer_pointer())
