@@ -116,13 +116,14 @@ def commit(state: T, observed: Any, opt_state: Any = None, *,
     >>> state["dense"].history[:, 0]  # lhs, rhs, cotangent amaxes
     Array([2. , 0.5, 1. ], dtype=float32)
   """
-  s_struct = jax.tree.structure(state, is_leaf=_is_state)
-  o_struct = jax.tree.structure(observed, is_leaf=_is_state)
-  if s_struct != o_struct:
+  s_leaves, s_struct = jax.tree.flatten(state, is_leaf=_is_state)
+  o_leaves, o_struct = jax.tree.flatten(observed, is_leaf=_is_state)
+  if s_struct != o_struct or any(
+      _is_state(s) != _is_state(o) for s, o in zip(s_leaves, o_leaves)):
     raise ValueError(
         "observed must be the gradient with respect to the fp8 state (the"
-        f" same structure as state); got structure {o_struct} for state"
-        f" structure {s_struct}")
+        f" same structure as state); got {o_struct} with leaves"
+        f" {[type(o).__name__ for o in o_leaves]} for state {s_struct}")
   if opt_state is None:
     window_end = jnp.ones((), jnp.bool_)
     guards = jnp.ones((), jnp.bool_)
