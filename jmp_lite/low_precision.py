@@ -147,6 +147,18 @@ def _upcast(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.astype(_F32) if _is_narrow(x) else x, tree)
 
 
+def _unaliased(state: Any, *trees: Any) -> Any:
+  """``state`` with a copy of every leaf that *is* a leaf of ``trees``.
+
+  A train step donates params and optimizer state; a state leaf sharing the
+  params' buffer would be donated twice.
+  """
+  ids = {id(x) for t in trees for x in jax.tree.leaves(t)}
+  return jax.tree.map(
+      lambda x: jnp.array(x, copy=True)
+      if isinstance(x, jax.Array) and id(x) in ids else x, state)
+
+
 def _inner_applied(inner_state: Any) -> jax.Array:
   """Whether the guards inside ``inner_state`` applied this step.
 
@@ -336,7 +348,7 @@ def kahan_summation(
         lambda p: jnp.zeros(p.shape, p.dtype) if _is_narrow(p) else None,
         params)
     return KahanState(compensation=compensation,
-                      inner_state=inner.init(params))
+                      inner_state=_unaliased(inner.init(params), params))
 
   def leaf(p: Any, u: Any, c: Any) -> tuple[Any, Any]:
     if c is None or not _dtypes.is_floating_array(u):
@@ -432,7 +444,7 @@ def stochastic_rounding(
   def init(params: Any) -> StochasticRoundingState:
     return StochasticRoundingState(
         seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
-        inner_state=inner.init(params))
+        inner_state=_unaliased(inner.init(params), params))
 
   def update(updates: Any, state: StochasticRoundingState, params: Any = None,
              **extra: Any) -> tuple[Any, StochasticRoundingState]:
@@ -572,7 +584,8 @@ def state_dtypes(
     return None
 
   def init(params: Any) -> StateDtypesState:
-    inner_state = inner.init(_upcast(params))
+    wide_params = _upcast(params)
+    inner_state = _unaliased(inner.init(wide_params), params, wide_params)
     used: set[int] = set()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
     stored = []

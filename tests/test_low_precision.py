@@ -547,6 +547,22 @@ def test_donated_step_no_aliasing_no_recompiles(name):
         state, seed=jnp.uint32(77)), _grads(5))
 
 
+def test_state_never_holds_the_params_buffers():
+  # An inner optimizer that keeps the params it was given (as EMA or
+  # lookahead-style transformations do).
+  keeper = optax.GradientTransformation(
+      lambda p: {"kept": p}, lambda u, s, p=None: (u, s))
+  params = {"w": jnp.ones(4, jnp.bfloat16), "v": jnp.ones(4)}
+  ptrs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
+  for opt in (jmp_lite.kahan_summation(keeper),
+              jmp_lite.stochastic_rounding(keeper),
+              jmp_lite.state_dtypes(keeper, {"kept/w": "bf16"})):
+    state = opt.init(params)
+    assert not ptrs & {x.unsafe_buffer_pointer()
+                       for x in jax.tree.leaves(state)}
+    chex.assert_trees_all_equal(state.inner_state["kept"], params)
+
+
 # --------------------------------------------------------- sharded, docs
 
 
