@@ -399,3 +399,197 @@ def test_quantization_health_counts_saturation_flush_and_subnormals():
   assert float(h.flushed["w"]) == 0.0
   with pytest.raises(TypeError, match="dtype must be one of the FP8"):
     fp8.quantization_health(x, jnp.bfloat16)
+
+
+# ---------------------------------------------------------------- fidelity
+#
+# The digits MLP and the char-level Transformer of jmp_lite.examples, written
+# with Flax layers whose compute dtype is bfloat16 (float32 params), trained
+# with examples.fit; the FP8 variants replace the matmuls of every layer but
+# the first and the last by FP8 ones (digits: the hidden 128x128 layer;
+# char-LM: q/k/v/out projections and both MLP layers; the embedding is a
+# gather and the logits layer stays bfloat16). Delayed scaling needs its
+# state threaded through the step, which examples.fit has no hook for: it
+# runs in fit_delayed below, the same step plus fp8.commit.
+
+FIDELITY_RECIPES = {"current": fp8.CurrentScaling(),
+                    "delayed": fp8.DelayedScaling(history=16)}
+
+
+def fit_delayed(model, params, fp8_state, loss_of, batches, evaluate, *,
+                steps, lr):
+  """examples.fit's step (Adam under loss_scaled, jitted) plus fp8.commit."""
+  import optax
+  opt = jmp_lite.loss_scaled(optax.adam(lr), jmp_lite.NoOpLossScale(),
+                             allow_half_state=True)
+  opt_state = opt.init(params)
+
+  @jax.jit
+  def step(params, fp8_state, opt_state, batch):
+    grads, observed = jax.grad(loss_of, argnums=(0, 1))(params, fp8_state,
+                                                        batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    fp8_state = fp8.commit(fp8_state, observed, opt_state)
+    return optax.apply_updates(params, updates), fp8_state, opt_state
+
+  for i in range(steps):
+    params, fp8_state, opt_state = step(params, fp8_state, opt_state,
+                                        batches(i))
+  assert int(jmp_lite.loss_scaled_state(opt_state).total_skips) == 0
+  # Every FP8 matmul's history filled up.
+  for amax in jax.tree.leaves(fp8.history_amax(fp8_state)):
+    assert (np.asarray(amax) > 0).all()
+  return evaluate(params, fp8_state)
+
+
+def digits_task(recipe, steps=400, batch=128, width=128, lr=3e-3, seed=0):
+  """Held-out (loss, accuracy) of the digits MLP; ``recipe=None``: bf16."""
+  import flax.linen as nn
+  import jmp_lite.fp8.linen as fp8_linen
+  from jmp_lite import examples
+  x_tr, y_tr, x_te, y_te = examples.load_digits_split(seed)
+  fields = {} if recipe is None else fp8_linen.layer_fields(recipe)
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+      x = nn.relu(nn.Dense(width, **kw)(x))
+      x = nn.relu(nn.Dense(width, **kw, **fields)(x))
+      return nn.Dense(10, **kw)(x)
+
+  model = MLP()
+  variables = model.init(jax.random.key(seed), x_tr[:1])
+  rng = np.random.default_rng(seed + 1)
+  flat = np.concatenate([rng.permutation(len(x_tr))
+                         for _ in range(steps * batch // len(x_tr) + 2)])
+
+  def batches(i):
+    idx = flat[i * batch:(i + 1) * batch]
+    return jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx])
+
+  def xent(variables, x, y):
+    import optax
+    logits = model.apply(variables, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y), logits
+
+  @jax.jit
+  def evaluate(params, fp8_state=None):
+    extra = {} if fp8_state is None else {"fp8": fp8_state}
+    loss, logits = xent({"params": params, **extra}, x_te, y_te)
+    return loss.mean(), jnp.mean(jnp.argmax(logits, -1) == y_te)
+
+  if isinstance(recipe, fp8.DelayedScaling):
+    return fit_delayed(
+        model, variables["params"], variables["fp8"],
+        lambda p, s, b: xent({"params": p, "fp8": s}, *b)[0].mean(),
+        batches, evaluate, steps=steps, lr=lr)
+  result = examples.fit(
+      variables["params"], lambda p, b: xent({"params": p}, *b)[0].mean(),
+      batches, steps=steps, lr=lr, loss_scale=jmp_lite.NoOpLossScale(),
+      master=False, eval_fn=evaluate)
+  assert result.skipped == 0
+  return result.eval_loss, result.accuracy
+
+
+def char_lm_task(recipe, steps=300, seq=32, batch=32, dim=64, lr=3e-3,
+                 seed=0):
+  """Held-out (loss, accuracy) of the one-block char Transformer."""
+  import flax.linen as nn
+  import optax
+  import jmp_lite.fp8.linen as fp8_linen
+  from jmp_lite import examples
+  from jmp_lite.linen import dot_product_attention_fp32
+  text = examples.python_docs_text()
+  chars = sorted(set(text))
+  ids = np.array([chars.index(c) for c in text], np.int32)
+  cut = int(0.85 * len(ids))
+  train_ids, test_ids = ids[:cut], ids[cut - seq:]
+  vocab = len(chars)
+  fields = {} if recipe is None else fp8_linen.layer_fields(recipe)
+  attn_fields = {} if recipe is None else {
+      f"{which}_{name}": value for which in ("qkv", "out")
+      for name, value in (("dot_general", fields["dot_general"]),
+                          ("dot_general_cls", fields["dot_general_cls"]))}
+  kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+      h = nn.LayerNorm()(x)
+      h = nn.MultiHeadDotProductAttention(
+          num_heads=4, attention_fn=dot_product_attention_fp32, **kw,
+          **attn_fields)(h, h, mask=mask)
+      x = x + h
+      h = nn.Dense(4 * dim, **kw, **fields)(nn.LayerNorm()(x))
+      return x + nn.Dense(dim, **kw, **fields)(nn.gelu(h))
+
+  class CharLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      n = tokens.shape[-1]
+      x = nn.Embed(vocab, dim)(tokens)
+      x = x + self.param("pos", nn.initializers.normal(0.02), (seq, dim))[:n]
+      x = Block()(x, nn.make_causal_mask(tokens))
+      return nn.Dense(vocab, **kw)(nn.LayerNorm()(x))
+
+  model = CharLM()
+  variables = model.init(jax.random.key(seed), jnp.zeros((1, seq), jnp.int32))
+
+  def windows(source, starts):
+    return np.stack([source[s:s + seq + 1] for s in starts])
+
+  rng = np.random.default_rng(seed + 1)
+  starts = rng.integers(0, len(train_ids) - seq - 1, (steps, batch))
+
+  def batches(i):
+    return jnp.asarray(windows(train_ids, starts[i]))
+
+  test_batch = jnp.asarray(windows(test_ids, range(0, len(test_ids) - seq - 1)))
+
+  def xent(variables, b):
+    logits = model.apply(variables, b[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, b[:, 1:]), logits
+
+  @jax.jit
+  def evaluate(params, fp8_state=None):
+    extra = {} if fp8_state is None else {"fp8": fp8_state}
+    loss, logits = xent({"params": params, **extra}, test_batch)
+    return loss.mean(), jnp.mean(jnp.argmax(logits, -1) == test_batch[:, 1:])
+
+  if isinstance(recipe, fp8.DelayedScaling):
+    assert len(jax.tree.leaves(variables["fp8"])) == 6 * 2  # 6 FP8 matmuls
+    return fit_delayed(
+        model, variables["params"], variables["fp8"],
+        lambda p, s, b: xent({"params": p, "fp8": s}, b)[0].mean(),
+        batches, evaluate, steps=steps, lr=lr)
+  result = examples.fit(
+      variables["params"], lambda p, b: xent({"params": p}, b)[0].mean(),
+      batches, steps=steps, lr=lr, loss_scale=jmp_lite.NoOpLossScale(),
+      master=False, eval_fn=evaluate)
+  assert result.skipped == 0
+  return result.eval_loss, result.accuracy
+
+
+FIDELITY_TASKS = {"digits": digits_task, "char_lm": char_lm_task}
+
+
+@pytest.fixture(scope="module", params=list(FIDELITY_TASKS))
+def fidelity_task(request):
+  if request.param == "digits":
+    pytest.importorskip("sklearn")
+  task = FIDELITY_TASKS[request.param]
+  return request.param, task, task(None)
+
+
+@pytest.mark.parametrize("recipe", list(FIDELITY_RECIPES))
+def test_fp8_training_matches_bfloat16(fidelity_task, recipe):
+  name, task, (ref_loss, ref_acc) = fidelity_task
+  loss, acc = task(FIDELITY_RECIPES[recipe])
+  print(f"\nfp8 fidelity {name} {recipe}: eval loss {float(loss):.4f}"
+        f" (bf16 {float(ref_loss):.4f}), accuracy {float(acc):.4f}"
+        f" (bf16 {float(ref_acc):.4f})")
+  assert np.isfinite(float(loss))
+  assert float(loss) <= 1.02 * float(ref_loss), (name, recipe, loss, ref_loss)
+  assert float(acc) >= float(ref_acc) - 0.02
