@@ -22,7 +22,8 @@ Run: ``python benchmarks/optimizer_memory.py`` (``--help`` for sizes).
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   variants = build_variants(1e-4)
   device = jax.devices()[0]
 
-  full, update, stats, states = {}, {}, {}, {}
+  full, stats, states = {}, {}, {}
   n_params = None
   for name, (dtype, make) in variants.items():
     model = MLP(args.width, args.depth, dtype)

@@ -57,7 +57,7 @@ class TrainResult:
 
 OptimizerBuilder = Callable[[optax.GradientTransformation, jmp_lite.LossScale],
                             optax.GradientTransformation]
-"""``builder(adam, loss_scale) -> optimizer``, for :func:`fit`'s ``optimizer``."""
+"""``builder(adam, loss_scale) -> optimizer``, for :func:`fit`."""
 
 
 def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],

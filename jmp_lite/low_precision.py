@@ -25,7 +25,8 @@ kernel: no random array is materialised and no key is passed per call.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -279,7 +280,7 @@ def _leaf_specs(specs: Any, tree: Any, what: str) -> list[Any]:
         f"specs must be a pytree prefix of the {what} (PartitionSpecs as given"
         f" to shard_map's in_specs): {e}") from None
   out = []
-  for spec, sub in zip(spec_leaves, subtrees):
+  for spec, sub in zip(spec_leaves, subtrees, strict=True):
     if not is_spec(spec):
       raise TypeError(
           f"specs leaves must be jax.sharding.PartitionSpec or None, got"
@@ -335,8 +336,9 @@ def kahan_summation(
     >>> state = opt.init(params)
     >>> state.compensation["w"].dtype
     dtype(bfloat16)
+    >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
-    ...   updates, state = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   updates, state = opt.update(grads, state, params)
     ...   params = optax.apply_updates(params, updates)
     >>> params["w"]
     Array([0.988281, 0.988281], dtype=bfloat16)
@@ -372,7 +374,8 @@ def kahan_summation(
     p_leaves, treedef = jax.tree.flatten(params)
     u_leaves = treedef.flatten_up_to(inner_updates)
     c_leaves = treedef.flatten_up_to(state.compensation)
-    out = [leaf(p, u, c) for p, u, c in zip(p_leaves, u_leaves, c_leaves)]
+    out = [leaf(p, u, c)
+           for p, u, c in zip(p_leaves, u_leaves, c_leaves, strict=True)]
     new_updates = treedef.unflatten([o[0] for o in out])
     compensation = treedef.unflatten([o[1] for o in out])
     return new_updates, KahanState(compensation=compensation,
@@ -432,10 +435,12 @@ def stochastic_rounding(
     >>> opt = jmp_lite.stochastic_rounding(optax.sgd(1e-4), seed=0)
     >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
     >>> state = opt.init(params)
+    >>> grads = {"w": jnp.ones(1000, jnp.bfloat16)}
     >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
-    ...   updates, state = opt.update({"w": jnp.ones(1000, jnp.bfloat16)}, state, params)
+    ...   updates, state = opt.update(grads, state, params)
     ...   params = optax.apply_updates(params, updates)
-    >>> params["w"].dtype, round(float(params["w"].astype(jnp.float32).mean()), 3)
+    >>> mean = float(params["w"].astype(jnp.float32).mean())
+    >>> params["w"].dtype, round(mean, 3)
     (dtype(bfloat16), 0.99)
   """
   _check_inner(inner, "stochastic_rounding")
@@ -467,7 +472,8 @@ def stochastic_rounding(
       return _delta(new_wide, p_wide)
 
     new_updates = treedef.unflatten(
-        [leaf(i, p, u) for i, (p, u) in enumerate(zip(p_leaves, u_leaves))])
+        [leaf(i, p, u)
+         for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))])
     count = state.count + _inner_applied(inner_state).astype(jnp.uint32)
     return new_updates, StochasticRoundingState(
         seed=state.seed, count=count, inner_state=inner_state)
@@ -491,7 +497,8 @@ def _parse_dtypes(dtypes: Any) -> Any:
       try:
         regex = re.compile(pattern)
       except re.error as e:
-        raise ValueError(f"state_dtypes: bad pattern {pattern!r}: {e}") from None
+        raise ValueError(
+            f"state_dtypes: bad pattern {pattern!r}: {e}") from None
       rules.append((regex, pattern, _dtypes.to_floating_dtype(
           dtype, f"dtypes[{pattern!r}]")))
     return rules
@@ -628,8 +635,8 @@ def state_dtypes(
         return _round_stochastic(new, old.dtype, bits)
       return new.astype(old.dtype)
 
-    rounded = [back(i, o, n) for i, (o, n) in enumerate(zip(stored,
-                                                            new_leaves))]
+    rounded = [back(i, o, n) for i, (o, n)
+               in enumerate(zip(stored, new_leaves, strict=True))]
     if stochastic:
       count = count + _inner_applied(new_inner).astype(jnp.uint32)
     return new_updates, StateDtypesState(

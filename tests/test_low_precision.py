@@ -1,4 +1,4 @@
-"""Tests for jmp_lite.low_precision: Kahan, stochastic rounding, state dtypes."""
+"""Tests for jmp_lite.low_precision: Kahan, stochastic rounding, dtypes."""
 
 from __future__ import annotations
 
@@ -377,8 +377,9 @@ def _ours(state):
   step by design; everything else must not.
   """
   while jmp_lite.struct.find_nodes(state, _GUARDS):
-    state = jax.tree.map(lambda n: n.inner_state if isinstance(n, _GUARDS)
-                         else n, state, is_leaf=lambda n: isinstance(n, _GUARDS))
+    state = jax.tree.map(
+        lambda n: n.inner_state if isinstance(n, _GUARDS) else n, state,
+        is_leaf=lambda n: isinstance(n, _GUARDS))
   kinds = (jmp_lite.KahanState, jmp_lite.StochasticRoundingState,
            jmp_lite.StateDtypesState)
   return [n for k in kinds for n in jmp_lite.struct.find_nodes(state, k)]
