@@ -372,6 +372,24 @@ def test_vmap_and_remat_compose():
   np.testing.assert_allclose(c, d, rtol=1e-6)
 
 
+def test_gpu_fp8_benchmark_runs_small_on_cpu():
+  import os
+  import pathlib
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run(
+      [sys.executable, "benchmarks/gpu_fp8.py", "--width", "32", "--seq", "8",
+       "--heads", "2", "--batch", "1", "--steps", "1", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=root,
+      env=dict(os.environ, PYTHONPATH=str(root)))
+  rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+          if line.startswith(("bf16 ", "fp8-"))}
+  # FP8 operands in 12 dots (4 projections x forward, d-input, d-weight);
+  # none in bf16; no cuBLASLt FP8 GEMM on the CPU.
+  assert [rows[n][1:3] for n in ("bf16", "fp8-current", "fp8-delayed")] == [
+      ["0", "0"], ["12", "0"], ["12", "0"]], out.stdout
+  assert "XLA:CPU emulates FP8" in out.stdout
+
+
 def test_importing_fp8_does_not_import_flax():
   code = ("import sys, jmp_lite, jmp_lite.fp8; "
           "assert 'flax' not in sys.modules, sorted("

@@ -1,0 +1,198 @@
+"""FP8 vs bfloat16 matmuls in a Transformer block: what runs in FP8, bytes, time.
+
+One pre-LN Transformer block (d=4096, 32 heads, GELU MLP of 4d; plain JAX,
+float32 params cast to bfloat16, attention scores and softmax in float32) is
+trained with SGD, every step jitted with its state donated, three ways:
+
+* ``bf16``: the four projections (qkv, out, up, down) as bfloat16 matmuls
+  with float32 accumulation;
+* ``fp8-current``: the same four through ``jmp_lite.fp8.dot_general`` with
+  ``CurrentScaling`` (E4M3 forward, E5M2 cotangent);
+* ``fp8-delayed``: with ``DelayedScaling``, the scaling states threaded
+  through the step and committed with ``jmp_lite.fp8.commit``.
+
+The attention score and value matmuls stay bfloat16 in all three. Printed
+per variant:
+
+1. ``fp8 dots``: matmuls with FP8 operands in the program JAX hands to XLA
+   (StableHLO ``dot_general`` with ``f8E4M3FN``/``f8E5M2`` operands), and
+   ``cublasLt f8``: the FP8 GEMMs XLA actually emitted (the
+   ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO: 0 on the CPU,
+   which converts FP8 to float32 around an ordinary dot; on an H100 12 per
+   FP8 variant are expected, forward, input and weight gradient of each
+   projection, if XLA's GEMM rewriter takes them all: not yet measured);
+2. XLA's cost-model bytes accessed and peak memory of the compiled step, and
+   the bytes the backward pass keeps from the forward (FP8 residuals are
+   half the size of bfloat16 ones);
+3. wall-clock per step (median of interleaved rounds) and the ratio to
+   ``bf16`` measured in the same run. On the CPU FP8 is emulated: its time
+   says nothing about FP8 hardware.
+
+Run on a GPU: ``python benchmarks/gpu_fp8.py`` (defaults d=4096, seq=2048,
+batch=4). On the CPU the defaults shrink to a smoke-test size; ``--help``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _common import bytes_accessed, interleaved_seconds, peak_bytes, size_parser
+from jmp_lite import fp8
+from jmp_lite.diagnostics import tree_bytes
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+PROJECTIONS = ("qkv", "out", "up", "down")
+LR = 1e-3
+
+
+def init_params(d: int, seed: int = 0) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(seed)
+
+  def dense(n_in: int, n_out: int) -> jax.Array:
+    return jnp.asarray(rng.standard_normal((n_in, n_out)) / np.sqrt(n_in), F32)
+
+  return {"qkv": dense(d, 3 * d), "out": dense(d, d), "up": dense(d, 4 * d),
+          "down": dense(4 * d, d), "ln1": jnp.ones((d,), F32),
+          "ln2": jnp.ones((d,), F32)}
+
+
+def layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+  x = x.astype(F32)
+  x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+      x.var(-1, keepdims=True) + 1e-5)
+  return (x * scale).astype(BF16)
+
+
+def bf16_dot(lhs: jax.Array, rhs: jax.Array, dims: Any) -> jax.Array:
+  return jax.lax.dot_general(lhs, rhs, dims,
+                             preferred_element_type=F32).astype(BF16)
+
+
+def block(params: dict[str, jax.Array], x: jax.Array, heads: int,
+          dots: dict[str, Callable[..., jax.Array]]) -> jax.Array:
+  """A pre-LN block; ``dots[name]`` runs projection ``name``."""
+  b, t, d = x.shape
+
+  def proj(name: str, h: jax.Array) -> jax.Array:
+    w = params[name].astype(BF16)
+    return dots[name](h, w, (((h.ndim - 1,), (0,)), ((), ())))
+
+  h = layer_norm(x, params["ln1"])
+  q, k, v = jnp.split(proj("qkv", h), 3, axis=-1)
+  split = lambda z: z.reshape(b, t, heads, d // heads)
+  q, k, v = split(q), split(k), split(v)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      preferred_element_type=F32) / np.sqrt(d // heads)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
+  attn = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(BF16), v,
+                    preferred_element_type=F32).astype(BF16)
+  x = x + proj("out", attn.reshape(b, t, d)).astype(F32)
+  h = layer_norm(x, params["ln2"])
+  h = jax.nn.gelu(proj("up", h))
+  return x + proj("down", h).astype(F32)
+
+
+def loss_of(params, fp8_state, x, heads: int, recipe) -> jax.Array:
+  if recipe is None:
+    dots = {n: bf16_dot for n in PROJECTIONS}
+  elif isinstance(recipe, fp8.CurrentScaling):
+    dots = {n: fp8.dot_general(recipe) for n in PROJECTIONS}
+  else:
+    dots = {n: fp8.dot_general(recipe, fp8_state[n]) for n in PROJECTIONS}
+  y = block(params, x, heads, dots)
+  return jnp.mean(jnp.square(y))
+
+
+def variants(heads: int) -> dict[str, tuple[Callable, Callable, Any]]:
+  """name -> (init(params) -> state, step(state, x) -> state, recipe)."""
+  out = {}
+  for name, recipe in (("bf16", None), ("fp8-current", fp8.CurrentScaling()),
+                       ("fp8-delayed", fp8.DelayedScaling())):
+    def init(params, recipe=recipe):
+      state = ({n: recipe.init() for n in PROJECTIONS}
+               if isinstance(recipe, fp8.DelayedScaling) else {})
+      return params, jax.tree.map(jnp.asarray, state)
+
+    def step(state, x, recipe=recipe):
+      params, fp8_state = state
+      grads, observed = jax.grad(loss_of, argnums=(0, 1))(
+          params, fp8_state, x, heads, recipe)
+      params = jax.tree.map(lambda p, g: p - LR * g, params, grads)
+      if fp8_state:
+        fp8_state = fp8.commit(fp8_state, observed)
+      return params, fp8_state
+
+    out[name] = (init, step, recipe)
+  return out
+
+
+def fp8_dot_count(lowered_text: str) -> int:
+  return sum(1 for line in lowered_text.splitlines()
+             if "stablehlo.dot_general" in line and "f8E" in line)
+
+
+def cublas_f8_count(compiled_text: str) -> int:
+  return len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"',
+                        compiled_text))
+
+
+def main() -> None:
+  on_cpu = jax.default_backend() == "cpu"
+  parser = size_parser(__doc__.splitlines()[0],
+                       width=128 if on_cpu else 4096, depth=1,
+                       batch=2 if on_cpu else 4, steps=2 if on_cpu else 10,
+                       rounds=3 if on_cpu else 5)
+  parser.add_argument("--seq", type=int, default=64 if on_cpu else 2048)
+  parser.add_argument("--heads", type=int, default=4 if on_cpu else 32)
+  args = parser.parse_args()
+  d, heads = args.width, args.heads
+  if d % heads:
+    parser.error(f"--width {d} is not a multiple of --heads {heads}")
+  params = init_params(d)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal(
+      (args.batch, args.seq, d)), F32)
+  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()});"
+        f" d={d}, heads={heads}, seq={args.seq}, batch={args.batch}")
+  if on_cpu:
+    print("XLA:CPU emulates FP8 (converts to float32 around the dot): the"
+          " times below say nothing about FP8 hardware.")
+
+  specs = variants(heads)
+  rows, compiled, states = [], {}, {}
+  for name, (init, step, recipe) in specs.items():
+    state = init(jax.tree.map(lambda p: p.copy(), params))
+    lowered = jax.jit(step, donate_argnums=0).lower(state, x)
+    compiled[name] = lowered.compile()
+    # The backward pass's residuals, abstractly (nothing is computed).
+    vjp = jax.eval_shape(lambda p, s: jax.vjp(
+        lambda p: loss_of(p, s, x, heads, recipe), p)[1], params, state[1])
+    rows.append((name, fp8_dot_count(lowered.as_text()),
+                 cublas_f8_count(compiled[name].as_text()),
+                 bytes_accessed(compiled[name]), peak_bytes(compiled[name]),
+                 max(tree_bytes(vjp) - tree_bytes(params), 0)))
+    # Two warm-up steps, as the timed loop runs them (state donated).
+    states[name] = jax.block_until_ready(
+        compiled[name](compiled[name](state, x), x))
+  times = interleaved_seconds(
+      {n: (lambda s, f=compiled[n]: f(s, x)) for n in specs}, states,
+      n_steps=args.steps, rounds=args.rounds)
+  base = statistics.median(times["bf16"])
+  print(f"{'variant':12} {'fp8 dots':>8} {'cublasLt f8':>11}"
+        f" {'bytes (MB)':>10} {'peak (MB)':>9} {'residuals (MB)':>14}"
+        f" {'ms/step':>9} {'vs bf16':>8}")
+  for name, n_fp8, n_cublas, nbytes, peak, residual in rows:
+    t = statistics.median(times[name])
+    print(f"{name:12} {n_fp8:8d} {n_cublas:11d} {nbytes / 1e6:10.1f}"
+          f" {peak / 1e6:9.1f} {residual / 1e6:14.2f} {1e3 * t:9.2f}"
+          f" {t / base:7.2f}x")
+
+
+if __name__ == "__main__":
+  main()
