@@ -143,27 +143,35 @@ def current_dot():
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=FLOAT_DTYPE_IDS)
-def test_output_and_gradient_dtypes(dtype, variant):
+def test_output_dtypes(dtype, variant):
   dot = current_dot()
   x, w = normal(0, (8, 16), dtype), normal(1, (16, 4), dtype)
-  y = variant(lambda x, w: dot(x, w, MATMUL))(x, w)
+
+  def outputs(x, w):
+    return (dot(x, w, MATMUL),
+            dot(x, w, MATMUL, preferred_element_type=jnp.float32),
+            # Mixed operand dtypes promote.
+            dot(x.astype(jnp.bfloat16), w.astype(jnp.float32), MATMUL))
+
+  y, y32, mixed = variant(outputs)(x, w)
   assert_dtype(y, dtype)
-  y32 = variant(lambda x, w: dot(x, w, MATMUL,
-                                 preferred_element_type=jnp.float32))(x, w)
   assert_dtype(y32, jnp.float32)
-  gx, gw = jax.jit(jax.grad(
-      lambda x, w: dot(x, w, MATMUL).astype(jnp.float32).sum(),
-      argnums=(0, 1)))(x, w)
-  assert_dtype(gx, dtype)
-  assert_dtype(gw, dtype)
-  # Mixed operand dtypes: the result promotes, each gradient keeps its own.
-  x16 = x.astype(jnp.bfloat16)
-  w32 = w.astype(jnp.float32)
-  assert_dtype(variant(lambda x, w: dot(x, w, MATMUL))(x16, w32), jnp.float32)
-  gx, gw = jax.jit(jax.grad(lambda x, w: dot(x, w, MATMUL).sum(), (0, 1)))(
-      x16, w32)
-  assert_dtype(gx, jnp.bfloat16)
-  assert_dtype(gw, jnp.float32)
+  assert_dtype(mixed, jnp.float32)
+
+
+def test_gradients_come_back_in_each_operands_dtype():
+  dot = current_dot()
+
+  @jax.jit
+  def grads(x, w):
+    return jax.grad(lambda x, w: dot(x, w, MATMUL).astype(
+        jnp.float32).sum(), argnums=(0, 1))(x, w)
+
+  for lhs, rhs in [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                   (jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)]:
+    gx, gw = grads(normal(0, (8, 16), lhs), normal(1, (16, 4), rhs))
+    assert_dtype(gx, lhs)
+    assert_dtype(gw, rhs)
 
 
 def test_jaxpr_of_loss_and_gradient_has_fp8_dots():
@@ -318,10 +326,15 @@ def test_nonfinite_operand_makes_the_result_nan(bad):
   # Saturating casts must not hide an overflow from loss_scaled.
   dot = current_dot()
   x = jnp.ones((2, 4)).at[0, 0].set(bad)
-  y = dot(x, jnp.ones((4, 3)), MATMUL)
+
+  @jax.jit
+  def run(x, w):
+    return (dot(x, w, MATMUL),
+            jax.grad(lambda w: jnp.sum(dot(x, w, MATMUL)))(w))
+
+  y, gw = run(x, jnp.ones((4, 3)))
   assert np.isnan(np.asarray(y)).all()
-  gx = jax.grad(lambda w: jnp.sum(dot(x, w, MATMUL)))(jnp.ones((4, 3)))
-  assert not np.isfinite(np.asarray(gx)).all()
+  assert not np.isfinite(np.asarray(gw)).all()
 
 
 def test_call_signature_matches_lax_dot_general():
