@@ -538,10 +538,8 @@ def char_lm_task(recipe, steps=300, seq=32, batch=32, dim=64, lr=3e-3,
   train_ids, test_ids = ids[:cut], ids[cut - seq:]
   vocab = len(chars)
   fields = {} if recipe is None else fp8_linen.layer_fields(recipe)
-  attn_fields = {} if recipe is None else {
-      f"{which}_{name}": value for which in ("qkv", "out")
-      for name, value in (("dot_general", fields["dot_general"]),
-                          ("dot_general_cls", fields["dot_general_cls"]))}
+  attn_fields = {} if recipe is None else fp8_linen.layer_fields(
+      recipe, nn.MultiHeadDotProductAttention)
   kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
 
   class Block(nn.Module):

@@ -120,6 +120,11 @@ def test_linen_dot_general_cls_builds_a_module_per_layer():
   assert fields["dot_general_cls"] is None and callable(fields["dot_general"])
   with pytest.raises(TypeError, match="Expected a jmp_lite.fp8.CurrentScaling"):
     fp8_linen.dot_general_cls(jnp.bfloat16)
+  attention = fp8_linen.layer_fields(DELAYED, nn.SelfAttention(num_heads=2))
+  assert attention["qkv_dot_general"] is None
+  assert attention["out_dot_general_cls"]().recipe == DELAYED
+  with pytest.raises(TypeError, match="LayerNorm has no dot_general"):
+    fp8_linen.layer_fields(CURRENT, nn.LayerNorm)
 
 
 # -------------------------------------------------------------------- nnx

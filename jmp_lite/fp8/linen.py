@@ -101,33 +101,54 @@ def dot_general_cls(recipe: CurrentScaling | DelayedScaling
   return functools.partial(Fp8DotGeneral, check_recipe(recipe))
 
 
-def layer_fields(recipe: CurrentScaling | DelayedScaling) -> dict[str, Any]:
-  """The fields to set on a linen ``Dense``/``DenseGeneral`` for ``recipe``.
+def layer_fields(recipe: CurrentScaling | DelayedScaling,
+                 layer: Any = nn.Dense) -> dict[str, Any]:
+  """The fields to set on a linen layer so that its matmuls run ``recipe``.
 
-  For policy engines that configure layers by field: current scaling sets
-  ``dot_general`` (a stateless function), delayed scaling sets
-  ``dot_general_cls`` (a module with state in :data:`COLLECTION`); the other
-  field is set to ``None`` so that it cannot take precedence.
+  For policy engines that configure layers by field. ``Dense`` and
+  ``DenseGeneral`` get ``dot_general``/``dot_general_cls``; the attention
+  layers (``MultiHeadDotProductAttention``, ``SelfAttention``) get the
+  ``qkv_`` and ``out_`` variants, which their query/key/value/out
+  ``DenseGeneral`` layers receive (one scaling state each). Current scaling sets
+  the stateless function, delayed scaling the module factory (state in
+  :data:`COLLECTION`); the other field is set to ``None`` so that it cannot
+  take precedence.
 
   Args:
     recipe: an FP8 recipe.
+    layer: the linen layer class (or instance) the fields are for.
 
   Returns:
-    ``{"dot_general": ..., "dot_general_cls": ...}``.
+    Field name -> value, for ``layer(**fields)`` or a ``dataclasses.replace``.
 
   Raises:
-    TypeError: if ``recipe`` is not an FP8 recipe.
+    TypeError: if ``recipe`` is not an FP8 recipe, or ``layer`` has no
+      ``dot_general`` field.
 
   Example:
-    >>> import jmp_lite, jmp_lite.fp8.linen as fp8_linen
+    >>> import flax.linen as nn, jmp_lite, jmp_lite.fp8.linen as fp8_linen
     >>> fields = fp8_linen.layer_fields(jmp_lite.fp8.DelayedScaling())
     >>> fields["dot_general"] is None, callable(fields["dot_general_cls"])
     (True, True)
+    >>> sorted(fp8_linen.layer_fields(jmp_lite.fp8.CurrentScaling(),
+    ...                               nn.MultiHeadDotProductAttention))
+    ['out_dot_general', 'out_dot_general_cls', 'qkv_dot_general', 'qkv_dot_general_cls']
   """
   recipe = check_recipe(recipe)
+  cls = layer if isinstance(layer, type) else type(layer)
+  names = getattr(cls, "__dataclass_fields__", {})
   if isinstance(recipe, DelayedScaling):
-    return {"dot_general": None, "dot_general_cls": dot_general_cls(recipe)}
-  return {"dot_general": dot_general(recipe), "dot_general_cls": None}
+    plain, factory = None, dot_general_cls(recipe)
+  else:
+    plain, factory = dot_general(recipe), None
+  if "qkv_dot_general" in names and "out_dot_general" in names:
+    return {"qkv_dot_general": plain, "qkv_dot_general_cls": factory,
+            "out_dot_general": plain, "out_dot_general_cls": factory}
+  if "dot_general" in names and "dot_general_cls" in names:
+    return {"dot_general": plain, "dot_general_cls": factory}
+  raise TypeError(
+      f"{cls.__name__} has no dot_general/dot_general_cls fields to give an"
+      " FP8 recipe (Dense, DenseGeneral and the attention layers have)")
 
 
 __all__ = ["COLLECTION", "Fp8DotGeneral", "VARIABLE", "dot_general_cls",
