@@ -29,6 +29,12 @@ class QuantizationHealth:
     flushed: the fraction of *non-zero* elements that become zero.
     subnormal: the fraction of non-zero elements that land in the format's
       subnormal range (fewer significant bits than the format's mantissa).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> h = jmp_lite.fp8.quantization_health(jnp.array([448.0, 1e-2, 1e-5]))
+    >>> round(float(h.subnormal), 3), round(float(h.flushed), 3)  # scale 1
+    (0.333, 0.333)
   """
 
   amax: Any

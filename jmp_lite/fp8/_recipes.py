@@ -95,6 +95,12 @@ class ScalingState:
       no observation yet.
     pending: float32 ``(3,)``: the largest amaxes seen in the current
       accumulation window, not yet committed to the history.
+
+  Example:
+    >>> import jax, jmp_lite
+    >>> state = jmp_lite.fp8.DelayedScaling(history=8).init()
+    >>> [x.shape for x in jax.tree.leaves(state)]
+    [(3, 8), (3,)]
   """
 
   history: Any
