@@ -26,6 +26,19 @@ Regions: code under ``jax.named_scope(name)`` with ``name`` in
 ``exclude_scopes`` (or inside :func:`float32_region`) runs exactly as
 written; code under a name in ``force_scopes`` (or :func:`half_region`) runs
 every float primitive in the compute dtype.
+
+Arguments: the array leaves of the positional and keyword arguments are
+traced (typed PRNG keys and ``float0`` arrays too, which pass through
+untouched); every other leaf (an Equinox module's functions and Python
+fields, strings, ``None``) is handed to ``fn`` as it is. Outputs may hold
+non-array leaves likewise.
+
+How: ``fn`` is traced once to a jaxpr, which is rewritten equation by
+equation (an equation whose operand types do not change is kept as it is,
+a sub-computation used several times is rewritten once per call) and then
+inlined into the caller's trace as one nested ``jit``. Its derivative is the
+forward-mode derivative of the rewritten equations, so ``jax.grad`` sees the
+same re-typed computation.
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ import difflib
 import functools
 import inspect
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +75,10 @@ HALF_SCOPE = "jmp_lite_half"
 _INTEGER_ONLY = {"and", "or", "not", "xor", "shift_left",
                  "shift_right_logical", "shift_right_arithmetic",
                  "population_count", "clz"}
-_CASTABLE = {np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
-             np.dtype(jnp.float16)}
+_CASTABLE = frozenset({np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
+                       np.dtype(jnp.float16)})
 _F32 = np.dtype(jnp.float32)
+_Literal = _jaxpr.Literal
 
 
 def float32_region() -> Any:
@@ -95,7 +110,8 @@ def half_region() -> Any:
     >>> def f(x):
     ...   with jmp_lite.half_region():
     ...     return jnp.exp(x)  # exp is on the float32 list, but forced here
-    >>> [r.dtype for r in jmp_lite.autocast_audit(f, "bf16", jnp.ones(2)).records]
+    >>> audit = jmp_lite.autocast_audit(f, "bf16", jnp.ones(2))
+    >>> [r.dtype for r in audit.records]
     ['bfloat16']
   """
   return jax.named_scope(HALF_SCOPE)
@@ -109,12 +125,11 @@ class _Config:
   exclude: tuple[str, ...]
   force: tuple[str, ...]
   accumulate_f32: bool
-  record: Callable[..., None] | None = None
 
 
 def _check_names(names: Iterable[Any], what: str) -> set[str]:
-  known = _jaxpr.primitives_by_name()
-  out = set()
+  out: set[str] = set()
+  known: dict[str, Any] | None = None
   for item in names:
     name = item if isinstance(item, str) else getattr(item, "name", None)
     if not isinstance(name, str):
@@ -131,42 +146,14 @@ def _check_names(names: Iterable[Any], what: str) -> set[str]:
       raise ValueError(
           f"{what}: {name!r} works only on integers and booleans, which"
           " autocast never re-types")
+    if known is None:  # Looked up only when there are names to check.
+      known = _jaxpr.primitives_by_name()
     if name not in known:
       close = difflib.get_close_matches(name, known, n=3)
       hint = f"; did you mean {close}?" if close else ""
       raise ValueError(f"{what}: unknown primitive {name!r}{hint}")
     out.add(name)
   return out
-
-
-def _castable(x: Any) -> bool:
-  return _dtypes.is_floating_array(x) and np.dtype(x.dtype) in _CASTABLE
-
-
-def _cast(x: Any, dtype: np.dtype) -> Any:
-  if _castable(x) and np.dtype(x.dtype) != dtype:
-    return jax.lax.convert_element_type(x, dtype)
-  return x
-
-
-def _to_avals(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
-  """Casts float values back to the dtypes ``avals`` expect."""
-  out = []
-  for v, a in zip(values, avals):
-    dtype = getattr(a, "dtype", None)
-    if dtype is not None and _dtypes.is_floating_array(v) and v.dtype != dtype:
-      v = jax.lax.convert_element_type(v, dtype)
-    out.append(v)
-  return out
-
-
-def _mode(eqn: Any, mode: str, cfg: _Config) -> str:
-  scopes = _jaxpr.name_stack(eqn).split("/")
-  if FLOAT32_SCOPE in scopes or any(s in scopes for s in cfg.exclude):
-    return "off"
-  if HALF_SCOPE in scopes or any(s in scopes for s in cfg.force):
-    return "force"
-  return mode
 
 
 def _flops(eqn: Any) -> float:
@@ -187,102 +174,218 @@ def _flops(eqn: Any) -> float:
   return 0.0
 
 
-def _first_order(eqn: Any, invals: list[Any], cfg: _Config,
-                 mode: str) -> list[Any]:
-  name = eqn.primitive.name
-  orig_avals = [_jaxpr.aval_of(a) for a in eqn.invars]
-  params = dict(eqn.params)
-  if mode == "off":
-    category = "original"
-    invals = _to_avals(invals, orig_avals)
-  elif name in cfg.lower or (mode == "force" and any(map(_castable, invals))):
-    category = "lower"
-    invals = [_cast(v, cfg.compute) for v in invals]
-    if ("preferred_element_type" in params and cfg.accumulate_f32
-        and any(_castable(v) for v in invals)):
-      params["preferred_element_type"] = _F32
-  elif name in cfg.fp32:
-    category = "float32"
-    invals = [_cast(v, _F32) for v in invals]
-  else:
-    category = "promote"
-    # Literals and weak-typed scalars follow; they never widen an op.
-    strong = [np.dtype(v.dtype) for v, a in zip(invals, eqn.invars)
-              if _castable(v) and not _jaxpr.is_literal(a)
-              and not getattr(a.aval, "weak_type", False)]
-    if strong:
-      target = functools.reduce(jnp.promote_types, strong)
-      invals = [_cast(v, np.dtype(target)) for v in invals]
+class _Retyper:
+  """Rewrites jaxprs by the autocast rules; state lives for one call only.
+
+  Works on the jaxpr itself: an equation whose operand types do not change
+  is kept as it is, a changed one gets its new output types from the
+  primitive's abstract evaluation, and casts are new ``convert_element_type``
+  equations. Nothing is re-traced, and equations keep their source locations
+  and named scopes.
+
+  Memo tables (never module-level): a sub-computation that appears several
+  times as the same jaxpr object (the nested ``jit`` behind ``jnp.where``,
+  a ``custom_jvp`` such as ``jax.nn.relu``, a scan body) is rewritten once,
+  and the result is the same object at every use, so JAX's own caches
+  (differentiation, lowering) hit as they do for the plain function.
+  """
+
+  def __init__(self, cfg: _Config, records: list[AuditRecord] | None):
+    self.cfg = cfg
+    self.records = records
+    # id(jaxpr), mode -> (jaxpr kept alive, rewritten jaxpr, audit records).
+    self.subs: dict[tuple[int, str], tuple[Any, Any, tuple[Any, ...]]] = {}
+    # id(name stack) -> (name stack kept alive, region mode or None).
+    self.regions: dict[int, tuple[Any, str | None]] = {}
+    self.higher: dict[Any, bool] = {}  # primitive -> has jaxpr params
+    # (primitive, operand types, params) -> (output types, effects): the
+    # layers of a deep model repeat the same few re-typed equations.
+    self.types: dict[tuple[Any, ...], tuple[list[Any], Any]] = {}
+
+  def region(self, eqn: Any) -> str | None:
+    """``"off"``/``"force"`` if ``eqn`` is in such a named scope, else None."""
+    stack = _jaxpr.name_stack_of(eqn)
+    hit = self.regions.get(id(stack))
+    if hit is not None:
+      return hit[1]
+    scopes = set(str(stack).split("/"))
+    cfg = self.cfg
+    if FLOAT32_SCOPE in scopes or not scopes.isdisjoint(cfg.exclude):
+      found: str | None = "off"
+    elif HALF_SCOPE in scopes or not scopes.isdisjoint(cfg.force):
+      found = "force"
     else:
-      invals = _to_avals(invals, orig_avals)
-  try:
-    outs = _jaxpr.bind(eqn, params, invals)
-  except (TypeError, ValueError):
-    # A primitive whose parameters pin its operand types: run it as written.
-    category = "original"
-    outs = _jaxpr.bind(eqn, dict(eqn.params), _to_avals(invals, orig_avals))
-  if category == "lower":
-    outs = [_cast(o, cfg.compute) for o in outs]
-  if cfg.record is not None:
-    cfg.record(eqn, category, invals, outs)
-  return outs
+      found = None
+    self.regions[id(stack)] = (stack, found)
+    return found
 
+  def jaxpr(self, jaxpr: Any, mode: str) -> Any:
+    """``jaxpr`` (open) rewritten; same inputs, outputs in the same types."""
+    # Old variable -> new atom, where they differ.
+    rename: dict[Any, Any] = {}
+    # Casts, by (id(atom), dtype) -> (atom, cast): an atom is converted to a
+    # dtype once, and a half value widened to float32 (exactly) is narrowed
+    # back to the original rather than converted again.
+    casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+    eqns: list[Any] = []
+    higher, regions = self.higher, self.regions
+    for eqn in jaxpr.eqns:
+      invars = [a if isinstance(a, _Literal) else rename.get(a, a)
+                for a in eqn.invars]
+      hit = regions.get(id(_jaxpr.name_stack_of(eqn)))
+      eqn_mode = (hit[1] if hit is not None else self.region(eqn)) or mode
+      is_higher = higher.get(eqn.primitive)
+      if is_higher is None:
+        is_higher = higher[eqn.primitive] = _jaxpr.has_subjaxprs(eqn)
+      if is_higher:
+        outvars = self.higher_order(eqn, invars, eqn_mode, casts, eqns)
+      else:
+        outvars = self.first_order(eqn, invars, eqn_mode, casts, eqns)
+      for old, new in zip(eqn.outvars, outvars, strict=True):
+        if new is not old:
+          rename[old] = new
+    outvars = [a if isinstance(a, _Literal) else rename.get(a, a)
+               for a in jaxpr.outvars]
+    outvars = self.to_avals(outvars, jaxpr.outvars, casts, eqns,
+                            jaxpr.eqns[-1] if jaxpr.eqns else None)
+    return _jaxpr.rewrite(jaxpr, eqns, outvars)
 
-def _retyped(sub: Any, cfg: _Config, mode: str, exact: bool = False) -> Any:
-  """``sub`` (a jaxpr param) rebuilt through autocast, same signature."""
-  if isinstance(sub, _jaxpr.ClosedJaxpr):
-    def run(*args):
-      outs = _eval(sub.jaxpr, sub.consts, args, cfg, mode)
-      return _to_avals(outs, sub.out_avals)
-    return _jaxpr.rebuild_closed(sub, run)
-  if isinstance(sub, _jaxpr.Jaxpr):
-    out_avals = [v.aval for v in sub.outvars]
-    def run_open(*args):
-      outs = _eval(sub, (), args, cfg, mode)
-      return _to_avals(outs, out_avals)
-    if exact:
-      return _jaxpr.rebuild_open_exact(sub, run_open)
-    return _jaxpr.rebuild_open(sub, run_open)
-  if isinstance(sub, tuple) and sub and all(
-      isinstance(s, (_jaxpr.ClosedJaxpr, _jaxpr.Jaxpr)) for s in sub):
-    return tuple(_retyped(s, cfg, mode, exact) for s in sub)
-  return sub
+  def cast(self, atom: Any, dtype: np.dtype, casts: dict, eqns: list,
+           like: Any) -> Any:
+    """``atom`` in ``dtype`` if it is a float16/bfloat16/float32 value."""
+    have = atom.aval.dtype
+    if have == dtype or have not in _CASTABLE:
+      return atom
+    key = (id(atom), dtype)
+    hit = casts.get(key)
+    if hit is not None:
+      return hit[1]
+    eqn, out = _jaxpr.convert(atom, dtype, like)
+    if eqn is not None:
+      eqns.append(eqn)
+    casts[key] = (atom, out)
+    if dtype == _F32:  # Exact: narrowing back gives ``atom`` itself.
+      casts[(id(out), have)] = (out, atom)
+    return out
 
+  def to_avals(self, atoms: Sequence[Any], like_atoms: Sequence[Any],
+               casts: dict, eqns: list, like: Any) -> list[Any]:
+    """Casts float atoms back to the dtypes of ``like_atoms``."""
+    return [self.cast(a, o.aval.dtype, casts, eqns, like)
+            if a is not o and a.aval.dtype in _CASTABLE else a
+            for a, o in zip(atoms, like_atoms, strict=True)]
 
-def _higher_order(eqn: Any, invals: list[Any], cfg: _Config,
-                  mode: str) -> list[Any]:
-  invals = _to_avals(invals, [_jaxpr.aval_of(a) for a in eqn.invars])
-  exact = eqn.primitive.name == "shard_map"
-  with _jaxpr.sub_context(eqn):
-    params = {k: _retyped(v, cfg, mode, exact) for k, v in eqn.params.items()}
-  return _jaxpr.bind(eqn, params, invals)
+  def emit(self, eqn: Any, invars: list[Any], params: dict[str, Any],
+           eqns: list) -> list[Any]:
+    """Appends ``eqn`` on ``invars``; returns its (possibly new) outputs."""
+    if params is eqn.params:
+      pairs = list(zip(invars, eqn.invars, strict=True))
+      if all(new is old for new, old in pairs):
+        eqns.append(eqn)
+        return eqn.outvars
+      if all(new.aval.dtype == old.aval.dtype
+             and new.aval.weak_type == old.aval.weak_type
+             for new, old in pairs):
+        # Same operand types (casts change only dtypes): same output types.
+        eqns.append(eqn.replace(invars=invars))
+        return eqn.outvars
+    in_avals = [a.aval for a in invars]
+    try:
+      key: tuple[Any, ...] | None = (eqn.primitive, *in_avals,
+                                     *params.items())
+      hit = self.types.get(key)  # type: ignore[arg-type]
+    except TypeError:  # Unhashable parameters: not memoised.
+      key = hit = None
+    if hit is None:
+      hit = _jaxpr.abstract_eval(eqn.primitive, in_avals, params)
+      if key is not None:
+        self.types[key] = hit
+    out_avals, effects = hit
+    outvars = [old if aval == old.aval else _jaxpr.new_var(old, aval)
+               for old, aval in zip(eqn.outvars, out_avals, strict=True)]
+    eqns.append(_jaxpr.new_eqn(eqn, invars, outvars, eqn.primitive, params,
+                               effects))
+    return outvars
 
-
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-          cfg: _Config, mode: str) -> list[Any]:
-  env: dict[Any, Any] = {}
-
-  def read(atom: Any) -> Any:
-    return atom.val if _jaxpr.is_literal(atom) else env[atom]
-
-  for var, value in zip(jaxpr.constvars, consts):
-    env[var] = value
-  for var, value in zip(jaxpr.invars, args):
-    env[var] = value
-  for eqn in jaxpr.eqns:
-    eqn_mode = _mode(eqn, mode, cfg)
-    invals = [read(a) for a in eqn.invars]
-    if _jaxpr.has_subjaxprs(eqn):
-      outs = _higher_order(eqn, invals, cfg, eqn_mode)
+  def first_order(self, eqn: Any, invars: list[Any], mode: str, casts: dict,
+                  eqns: list) -> list[Any]:
+    cfg = self.cfg
+    name = eqn.primitive.name
+    params = eqn.params
+    if mode == "off":
+      category = "original"
+      invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+    elif name in cfg.lower or (mode == "force" and any(
+        a.aval.dtype in _CASTABLE for a in invars)):
+      category = "lower"
+      invars = [self.cast(a, cfg.compute, casts, eqns, eqn) for a in invars]
+      if ("preferred_element_type" in params and cfg.accumulate_f32
+          and any(a.aval.dtype in _CASTABLE for a in invars)):
+        params = dict(params, preferred_element_type=_F32)
+    elif name in cfg.fp32:
+      category = "float32"
+      invars = [self.cast(a, _F32, casts, eqns, eqn) for a in invars]
     else:
-      outs = _first_order(eqn, invals, cfg, eqn_mode)
-    for var, value in zip(eqn.outvars, outs):
-      env[var] = value
-  return [read(v) for v in jaxpr.outvars]
+      category = "promote"
+      # Literals and weak-typed scalars follow; they never widen an op.
+      target = None
+      for a, old in zip(invars, eqn.invars, strict=True):
+        have = a.aval.dtype
+        if (have in _CASTABLE and have != target
+            and not isinstance(old, _Literal) and not old.aval.weak_type):
+          # Among float16, bfloat16 and float32, any two differ -> float32.
+          target = have if target is None else _F32
+      if target is not None:
+        invars = [self.cast(a, target, casts, eqns, eqn) for a in invars]
+      else:
+        invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+    try:
+      outvars = self.emit(eqn, invars, params, eqns)
+    except (TypeError, ValueError):
+      # A primitive whose parameters pin its operand types: run it as
+      # written (casts made for it are left unused; XLA removes them).
+      category = "original"
+      invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+      outvars = self.emit(eqn, invars, eqn.params, eqns)
+    if category == "lower":
+      outvars = [self.cast(a, cfg.compute, casts, eqns, eqn) for a in outvars]
+    if self.records is not None:
+      self.records.append(_audit_record(
+          eqn, category, [a.aval for a in invars], [a.aval for a in outvars]))
+    return outvars
 
+  def higher_order(self, eqn: Any, invars: list[Any], mode: str, casts: dict,
+                   eqns: list) -> list[Any]:
+    # Values cross the boundary in the original types: signatures are kept,
+    # so the outputs keep their types too.
+    invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+    params = dict(eqn.params)
+    for key, value in params.items():
+      if _jaxpr.is_jaxpr(value):
+        params[key] = self.retyped(eqn, value, mode)
+      elif (isinstance(value, tuple) and value
+            and all(_jaxpr.is_jaxpr(s) for s in value)):
+        params[key] = tuple(self.retyped(eqn, s, mode) for s in value)
+    eqns.append(eqn.replace(invars=invars, params=params))
+    return eqn.outvars
 
-def _is_traced_leaf(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  def retyped(self, eqn: Any, sub: Any, mode: str) -> Any:
+    """``sub`` (a jaxpr parameter of ``eqn``) rewritten, same signature."""
+    key = (id(sub), mode)
+    hit = self.subs.get(key)
+    if hit is not None:
+      if self.records is not None:  # The audit lists every use.
+        self.records.extend(hit[2])
+      return hit[1]
+    start = len(self.records) if self.records is not None else 0
+    inner, _ = _jaxpr.jaxpr_and_consts(sub)
+    # Abstract evaluation inside a shard_map body needs its mesh axes.
+    with _jaxpr.sub_context(eqn):
+      new = _jaxpr.rebuilt(sub, self.jaxpr(inner, mode))
+    recorded = (tuple(self.records[start:]) if self.records is not None
+                else ())
+    self.subs[key] = (sub, new, recorded)
+    return new
 
 
 def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
@@ -321,22 +424,63 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                  accumulate_f32=accumulate_in_float32)
 
 
-def _run(fn: Callable[..., Any], cfg: _Config, args: tuple, kwargs: dict
-         ) -> Any:
-  leaves, treedef = jax.tree.flatten(args)
-  traced = [i for i, x in enumerate(leaves) if _is_traced_leaf(x)]
+def _run(fn: Callable[..., Any], cfg: _Config, args: tuple, kwargs: dict,
+         records: list[AuditRecord] | None = None) -> Any:
+  """Calls ``fn(*args, **kwargs)`` re-typed; array leaves are traced."""
+  arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
+  rebuild_out: list[Callable[[Sequence[Any]], Any]] = []
 
-  def flat_fn(*traced_vals):
-    full = list(leaves)
-    for i, v in zip(traced, traced_vals):
-      full[i] = v
-    return fn(*jax.tree.unflatten(treedef, full), **kwargs)
+  def flat_fn(*xs: Any) -> list[Any]:
+    a, k = rebuild(xs)
+    out_arrays, rebuild_outputs = _jaxpr.split_array_args(fn(*a, **k))
+    rebuild_out.append(rebuild_outputs)
+    return out_arrays
 
-  traced_vals = [leaves[i] for i in traced]
-  closed, out_shape = _jaxpr.trace(flat_fn, *traced_vals)
-  outs = _eval(closed.jaxpr, closed.consts, traced_vals, cfg, "auto")
-  outs = _to_avals(outs, closed.out_avals)
-  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+  closed = _jaxpr.trace_flat(flat_fn, arrays)
+  jaxpr, consts = _jaxpr.jaxpr_and_consts(closed)
+  new = _Retyper(cfg, records).jaxpr(jaxpr, "auto")
+  if records is not None:  # The audit needs the rewrite only.
+    return None
+  # Constants become explicit arguments: none is closed over (a traced
+  # constant must be differentiated like any argument).
+  call_jaxpr = _jaxpr.consts_as_args(new)
+  values = [*consts, *arrays]
+  if any(map(_jaxpr.is_tracer, values)):
+    outs = _differentiable_call(call_jaxpr, values)
+  else:  # Eager: nothing to differentiate.
+    outs = _jaxpr.call(call_jaxpr, values)
+  return rebuild_out[0](outs)
+
+
+def _differentiable_call(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
+  """Evaluates ``jaxpr`` on ``args``, differentiated as a whole.
+
+  JAX linearizes a primitive bound on its own through a per-primitive
+  fallback that costs a small trace each, and linearizing a nested ``jit``
+  re-traces its whole jaxpr through partial evaluation; the plain function
+  avoids both because ``jax.numpy`` wraps most operations in cached ``jit``
+  functions. So the call carries a JVP rule: the equations evaluated one by
+  one under forward mode, which ``jax.grad``/``jax.vjp`` linearize in one
+  pass. Only non-zero tangents enter.
+  """
+  call = jax.custom_jvp(lambda *xs: _jaxpr.call(jaxpr, xs))
+
+  def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> Any:
+    live = [not isinstance(t, jax.custom_derivatives.SymbolicZero)
+            for t in tangents]
+
+    def of_live(*live_primals: Any) -> list[Any]:
+      it = iter(live_primals)
+      return _jaxpr.evaluate(jaxpr, [
+          next(it) if keep else p
+          for p, keep in zip(primals, live, strict=True)])
+
+    return jax.jvp(
+        of_live, [p for p, keep in zip(primals, live, strict=True) if keep],
+        [t for t, keep in zip(tangents, live, strict=True) if keep])
+
+  call.defjvp(jvp, symbolic_zeros=True)
+  return call(*args)
 
 
 def autocast(
@@ -369,9 +513,12 @@ def autocast(
       accumulate in float32 (``preferred_element_type``).
 
   Returns:
-    A function with ``fn``'s signature. Array arguments (``jax.Array``,
-    numpy) are traced; other positional arguments and all keyword arguments
-    are passed through as Python values.
+    A function with ``fn``'s signature. The array leaves of its positional
+    and keyword arguments (``jax.Array`` including typed PRNG keys and
+    ``float0``, numpy arrays and scalars) are traced; every other leaf (a
+    function or Python number held by an Equinox module, a string, ``None``,
+    a Python float) is passed to ``fn`` as a Python value, as ``jax.jit``'s
+    static arguments are. Outputs may hold non-array leaves too.
 
   Raises:
     ValueError: for unknown, higher-order or integer-only primitives in the
@@ -385,8 +532,9 @@ def autocast(
     >>> g = jmp_lite.autocast(f, jnp.bfloat16)
     >>> g(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype  # As f would return.
     dtype('float32')
-    >>> [r.dtype for r in jmp_lite.autocast_audit(f, jnp.bfloat16,
-    ...     jnp.ones((2, 3)), jnp.ones((3, 4))).records if r.primitive == "dot_general"]
+    >>> audit = jmp_lite.autocast_audit(f, jnp.bfloat16, jnp.ones((2, 3)),
+    ...                                 jnp.ones((3, 4)))
+    >>> [r.dtype for r in audit.records if r.primitive == "dot_general"]
     ['bfloat16']
   """
   if not callable(fn):
@@ -422,6 +570,25 @@ class AuditRecord:
   input_dtypes: tuple[str, ...]
   output_dtypes: tuple[str, ...]
   flops: float
+
+
+def _dtype_name(dtype: Any) -> str:
+  if dtype == jax.dtypes.float0:
+    return "float0"
+  return dtype.name if isinstance(dtype, np.dtype) else str(dtype)
+
+
+def _audit_record(eqn: Any, category: str, invals: Sequence[Any],
+                  outs: Sequence[Any]) -> AuditRecord:
+  ins = tuple(_dtype_name(v.dtype) for v in invals if hasattr(v, "dtype"))
+  floats = [_dtype_name(v.dtype) for v in invals if hasattr(v, "dtype")
+            and jnp.issubdtype(v.dtype, jnp.floating)]
+  return AuditRecord(
+      primitive=eqn.primitive.name, category=category,
+      dtype=floats[0] if floats else "-", input_dtypes=ins,
+      output_dtypes=tuple(_dtype_name(o.dtype) for o in outs
+                          if hasattr(o, "dtype")),
+      flops=_flops(eqn))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,12 +636,16 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
                    **options: Any) -> Audit:
   """Lists the primitives ``autocast(fn)`` runs, their dtypes and FLOPs.
 
-  Traces abstractly (nothing is computed).
+  Traces abstractly (nothing is computed). A sub-computation used several
+  times is listed once per use.
 
   Args:
     fn: the function.
     policy_or_dtype: as for :func:`autocast`.
-    *args: example inputs.
+    *args: example inputs: pytrees whose array leaves (arrays, typed keys,
+      ``jax.ShapeDtypeStruct``) are traced and whose other leaves (an
+      Equinox module's functions and fields, Python values) are passed as
+      they are. Bind keyword arguments with ``functools.partial``.
     **options: :func:`autocast`'s keyword options.
 
   Returns:
@@ -488,22 +659,10 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
     >>> audit.half_flop_fraction(), audit.matmul_flops()
     (1.0, {'bfloat16': 128.0})
   """
-  records: list[AuditRecord] = []
-
-  def record(eqn, category, invals, outs):
-    ins = tuple(np.dtype(v.dtype).name for v in invals if hasattr(v, "dtype"))
-    out_dtypes = tuple(np.dtype(o.dtype).name for o in outs
-                       if hasattr(o, "dtype"))
-    floats = [d for d in ins if jnp.issubdtype(np.dtype(d), jnp.floating)]
-    records.append(AuditRecord(
-        primitive=eqn.primitive.name, category=category,
-        dtype=floats[0] if floats else "-", input_dtypes=ins,
-        output_dtypes=out_dtypes, flops=_flops(eqn)))
-
   unknown = set(options) - set(inspect.signature(_make_config).parameters)
   if unknown:
     raise TypeError(f"Unknown autocast options: {sorted(unknown)}")
-  cfg = dataclasses.replace(_make_config(policy_or_dtype, **options),
-                            record=record)
-  jax.eval_shape(lambda *a: _run(fn, cfg, a, {}), *args)
+  cfg = _make_config(policy_or_dtype, **options)
+  records: list[AuditRecord] = []
+  _run(fn, cfg, args, {}, records)
   return Audit(tuple(records), cfg.compute.name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import chex
 import flax.linen as nn
 import jax
@@ -174,7 +176,8 @@ def test_while_loop_and_shard_map():
               ("dot_general", "bfloat16"), ("exp", "float32")]
   ref_grad = jax.grad(lambda a: sm(a).sum())(x)
   np.testing.assert_allclose(jax.grad(lambda a: g(a).sum())(x), ref_grad,
-                             rtol=5e-2, atol=1e-2 * float(jnp.abs(ref_grad).max()))
+                             rtol=5e-2,
+                             atol=1e-2 * float(jnp.abs(ref_grad).max()))
 
 
 def test_int_bool_float64_untouched_and_output_dtypes():
@@ -197,14 +200,15 @@ def test_int_bool_float64_untouched_and_output_dtypes():
 def test_custom_lists_change_the_result_as_documented():
   x, w = _xw()
   f = lambda x, w: jnp.exp(x @ w).sum()
-  deny_dot = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", deny=["dot_general"]))(x, w)
+  cast = lambda **kw: jmp_lite.autocast(f, "bf16", **kw)
+  deny_dot = jax.make_jaxpr(cast(deny=["dot_general"]))(x, w)
   assert _eqn_dtypes(deny_dot, "dot_general") == [("float32", "float32")]
-  allow_exp = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", allow=[jax.lax.exp_p]))(x, w)
+  allow_exp = jax.make_jaxpr(cast(allow=[jax.lax.exp_p]))(x, w)
   assert _eqn_dtypes(allow_exp, "exp") == [("bfloat16",)]
-  bare = jax.make_jaxpr(jmp_lite.autocast(f, "bf16", use_default_lists=False))(x, w)
+  bare = jax.make_jaxpr(cast(use_default_lists=False))(x, w)
   assert _eqn_dtypes(bare, "dot_general") == [("float32", "float32")]
   # Values: deny reproduces float32 exactly, the default does not.
-  assert float(jmp_lite.autocast(f, "bf16", deny=["dot_general"])(x, w)) == float(f(x, w))
+  assert float(cast(deny=["dot_general"])(x, w)) == float(f(x, w))
   assert float(jmp_lite.autocast(f, "bf16")(x, w)) != float(f(x, w))
 
 
@@ -305,11 +309,233 @@ def test_o1_preset_combines_policy_and_autocast():
 
 
 def test_supported_jax_version_and_internals():
-  """The JAX internals autocast relies on exist in the pinned versions."""
-  major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-  assert (major, minor) == (0, 10), jax.__version__
-  from jax._src import config, core, linear_util
-  from jax._src.interpreters import partial_eval
+  """JAX lies in the supported range and has what ``_jaxpr.py`` relies on."""
+  version = tuple(int(p) for p in jax.__version__.split(".")[:3])
+  assert (0, 10, 2) <= version < (0, 13), jax.__version__
+  # The internals, each used in one place in _jaxpr.py.
+  from jax._src import config, core, source_info_util
   assert callable(core.extend_axis_env_nd) and callable(config._check_vma)
-  assert callable(partial_eval.trace_to_jaxpr_dynamic)
-  assert callable(linear_util.wrap_init)
+  assert callable(source_info_util.summarize)
+  # The extension API the jaxpr rewriting is built on.
+  jex = jax.extend.core
+  for name in ("Var", "DropVar", "Literal", "new_jaxpr_eqn", "jaxpr_as_fun",
+               "ClosedJaxpr", "Jaxpr", "no_effects"):
+    assert hasattr(jex, name), name
+  assert jex.primitives.jit_p.name == "jit"
+  assert callable(jax.core.Tracer)
+  closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
+  assert callable(closed.jaxpr.replace)
+  assert callable(closed.jaxpr.debug_info.with_unknown_names)
+
+
+# Functions whose arguments hold more than arrays.
+
+eqx = pytest.importorskip("equinox")
+
+
+class EqxMLP(eqx.Module):
+  """Equinox-tutorial style: layers in a list, activation a field."""
+
+  layers: list
+  activation: Callable
+  name: str = eqx.field(static=True)
+  depth: int
+
+  def __init__(self, key, sizes=(6, 16, 3), name="mlp"):
+    keys = jax.random.split(key, len(sizes) - 1)
+    self.layers = [eqx.nn.Linear(i, o, key=k)
+                   for i, o, k in zip(sizes[:-1], sizes[1:], keys, strict=True)]
+    self.activation = jax.nn.relu
+    self.name = name
+    self.depth = len(self.layers)  # A Python int leaf.
+
+  def __call__(self, x):
+    for layer in self.layers[:-1]:
+      x = self.activation(layer(x))
+    return self.layers[-1](x)
+
+
+class EqxCNN(eqx.Module):
+  conv: eqx.nn.Conv2d
+  head: eqx.nn.Linear
+  norm: eqx.nn.LayerNorm
+  pool: Callable
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.conv = eqx.nn.Conv2d(2, 4, kernel_size=3, key=k1)
+    self.norm = eqx.nn.LayerNorm(4 * 4 * 4)
+    self.head = eqx.nn.Linear(4 * 4 * 4, 3, key=k2)
+    self.pool = jnp.ravel
+
+  def __call__(self, x):
+    return self.head(self.norm(self.pool(jax.nn.relu(self.conv(x)))))
+
+
+def _eqx_case(kind):
+  rng = np.random.default_rng(1)
+  if kind == "mlp":
+    model = EqxMLP(jax.random.key(0))
+    x = jnp.asarray(rng.standard_normal((5, 6)), jnp.float32)
+  else:
+    model = EqxCNN(jax.random.key(0))
+    x = jnp.asarray(rng.standard_normal((5, 2, 6, 6)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+  return model, x, y
+
+
+def _eqx_loss(model, x, y):
+  return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _rel_err(a, b):
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("half", HALF, ids=["bf16", "f16"])
+def test_equinox_module_arguments(kind, half):
+  model, x, y = _eqx_case(kind)
+  cast = jmp_lite.autocast(_eqx_loss, half)
+  ref = _eqx_loss(model, x, y)
+  params, static = eqx.partition(model, eqx.is_array)
+  by_jit = jax.jit(lambda p, x, y: cast(eqx.combine(p, static), x, y))
+  for out in (cast(model, x, y), eqx.filter_jit(cast)(model, x, y),
+              by_jit(params, x, y)):
+    assert_dtype(out, jnp.float32)
+    np.testing.assert_allclose(float(out), float(ref), rtol=TOL[half])
+  # Gradients: eqx.filter_grad on the module, jax.grad on its arrays; the
+  # error against float32 is half-precision noise (relative to the norm).
+  ref_grads = eqx.filter(eqx.filter_grad(_eqx_loss)(model, x, y),
+                         eqx.is_array)
+  grads = eqx.filter(eqx.filter_jit(eqx.filter_grad(cast))(model, x, y),
+                     eqx.is_array)
+  jax_grads = jax.jit(jax.grad(
+      lambda p: cast(eqx.combine(p, static), x, y)))(params)
+  bound = {jnp.bfloat16: 0.3, jnp.float16: 0.01}[half]
+  for g in (grads, jax_grads):
+    chex.assert_trees_all_equal_dtypes(g, ref_grads)
+    errs = jax.tree.map(_rel_err, g, ref_grads)
+    assert max(jax.tree.leaves(errs)) < bound, errs
+  # The audit takes the module as it is; its matmuls ran in half precision.
+  audit = jmp_lite.autocast_audit(_eqx_loss, half, model, x, y)
+  hname = np.dtype(half).name
+  mat = [r for r in audit.records
+         if r.primitive in ("dot_general", "conv_general_dilated")]
+  assert mat and all(r.input_dtypes == (hname, hname) for r in mat)
+  assert {r.primitive for r in mat} == (
+      {"dot_general", "conv_general_dilated"} if kind == "cnn"
+      else {"dot_general"})
+  assert audit.half_flop_fraction() == 1.0
+
+
+def test_non_array_leaves_pass_through_and_outputs_may_hold_them():
+  def f(params, config, x, *, scale, label):
+    h = x @ params["w"] + params["b"]
+    if config["act"] is not None:
+      h = config["act"](h)
+    return {"y": h * scale * config["n"], "label": label, "n": config["n"]}
+
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+            "b": jnp.zeros(3, jnp.float32)}
+  config = {"act": jax.nn.relu, "n": 2, "unused": None, "tag": "x"}
+  x = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32)
+  g = jmp_lite.autocast(f, "bf16")
+  want = f(params, config, x, scale=0.5, label="")["y"]
+  out = g(params, config, x, scale=jnp.float32(0.5), label="out")
+  assert out["label"] == "out" and out["n"] == 2
+  # jax.jit itself takes and returns arrays only: the rest stays inside.
+  jitted = jax.jit(lambda p, x, scale: g(p, config, x, scale=scale,
+                                          label="out")["y"])
+  for y in (out["y"], jitted(params, x, jnp.float32(0.5))):
+    assert_dtype(y, jnp.float32)
+    np.testing.assert_allclose(y, want, rtol=5e-2, atol=1e-2)
+  # Arrays in keyword arguments are traced and re-typed like positional ones.
+  jaxpr = jax.make_jaxpr(lambda w, s: g(
+      {"w": w, "b": params["b"]}, config, x, scale=s, label="")["y"])(
+          params["w"], jnp.float32(0.5))
+  assert _eqn_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")]
+  grad = jax.grad(lambda s: g(params, config, x, scale=s, label="")["y"].sum())
+  ref = jax.grad(lambda s: f(params, config, x, scale=s, label="")["y"].sum())
+  np.testing.assert_allclose(grad(jnp.float32(0.5)), ref(jnp.float32(0.5)),
+                             rtol=5e-2)
+
+
+def test_typed_key_passes_through_untouched():
+  def f(key, x):
+    noise = jax.random.normal(key, x.shape)
+    return jax.random.split(key)[0], x @ x.T + noise
+
+  key, x = jax.random.key(3), jnp.ones((2, 2))
+  g = jmp_lite.autocast(f, "bf16")
+  ref_key, ref = f(key, x)
+  for fn in (g, jax.jit(g)):
+    new_key, out = fn(key, x)
+    assert new_key.dtype == key.dtype  # key<fry>, never cast
+    np.testing.assert_array_equal(jax.random.key_data(new_key),
+                                  jax.random.key_data(ref_key))
+    np.testing.assert_allclose(out, ref, rtol=1e-2)
+  # The random bits and their float transform ran as written (float32).
+  np.testing.assert_array_equal(
+      jmp_lite.autocast(lambda k: jax.random.normal(k, (3,)), "bf16")(key),
+      jax.random.normal(key, (3,)))
+  records = jmp_lite.autocast_audit(f, "bf16", key, x).records
+  assert any("key<fry>" in r.input_dtypes for r in records)
+
+
+def test_float0_and_integer_arguments():
+  def f(x, n, tangent_like):
+    return (x * n).sum(), tangent_like
+
+  x, n = jnp.ones(3), jnp.asarray(2, jnp.int32)
+  z = np.zeros((3,), jax.dtypes.float0)
+  g = jmp_lite.autocast(f, "bf16")
+  for fn in (g, jax.jit(g)):
+    out, passed = fn(x, n, z)
+    assert_dtype(out, jnp.float32)
+    assert passed.dtype == jax.dtypes.float0 and passed.shape == (3,)
+  gx, gn = jax.grad(lambda x, n: g(x, n, z)[0], argnums=(0, 1),
+                    allow_int=True)(x, n)
+  assert gn.dtype == jax.dtypes.float0
+  np.testing.assert_allclose(gx, 2.0 * np.ones(3))
+
+
+def test_repeated_sub_computations_rewritten_once_and_audited_per_use():
+  @jax.jit
+  def proj(h, w):
+    return jnp.tanh(h @ w)
+
+  def f(x, w):
+    for _ in range(3):
+      x = jax.nn.relu(proj(x, w))  # One jaxpr object, three uses.
+    return x.sum()
+
+  x, w = _xw()
+  jaxpr = jax.make_jaxpr(jmp_lite.autocast(f, "bf16"))(x, w)
+  subs = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] == "proj":
+        subs.append(eqn.params["jaxpr"])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+  walk(jaxpr.jaxpr)
+  assert len(subs) == 3 and all(s is subs[0] for s in subs[1:])
+  assert _eqn_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")] * 3
+  # The audit still counts every call: 3 x 2*4*3*3 FLOPs.
+  audit = jmp_lite.autocast_audit(f, "bf16", x, w)
+  assert audit.matmul_flops() == {"bfloat16": 3 * 72.0}
+  np.testing.assert_allclose(jmp_lite.autocast(f, "bf16")(x, w), f(x, w),
+                             rtol=5e-2)
+
+
+def test_rewritten_jaxprs_type_check():
+  x, w = _xw()
+  g = jmp_lite.autocast(_kitchen_sink, "bf16")
+  cases = [(g, (x, w)), (jax.grad(g, argnums=1), (x, w)),
+           (jax.vmap(g, in_axes=(0, None)), (jnp.stack([x, x]), w))]
+  for fn, args in cases:
+    jax.extend.core.check_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
