@@ -15,6 +15,7 @@ from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
 from jmp_lite.accumulation import AccumulateState as AccumulateState
 from jmp_lite.autocasting import autocast as autocast
 from jmp_lite.autocasting import autocast_audit as autocast_audit
+from jmp_lite.autocasting import autocast_fp8_state as autocast_fp8_state
 from jmp_lite.autocasting import float32_region as float32_region
 from jmp_lite.autocasting import half_region as half_region
 from jmp_lite.diagnostics import check_alignment as check_alignment
@@ -77,6 +78,7 @@ __all__ = (
     "all_finite",
     "autocast",
     "autocast_audit",
+    "autocast_fp8_state",
     "cast_by_path",
     "cast_to_full",
     "cast_to_half",

@@ -125,6 +125,14 @@ class _Config:
   exclude: tuple[str, ...]
   force: tuple[str, ...]
   accumulate_f32: bool
+  fp8: Any = None  # A jmp_lite.fp8 recipe, or None.
+  fp8_scopes: tuple[str, ...] | None = None
+  fp8_exclude: tuple[str, ...] = ()
+
+  @property
+  def delayed(self) -> bool:
+    from jmp_lite.fp8 import DelayedScaling  # fp8 imports optax users' code.
+    return isinstance(self.fp8, DelayedScaling)
 
 
 def _check_names(names: Iterable[Any], what: str) -> set[str]:
@@ -190,7 +198,8 @@ class _Retyper:
   (differentiation, lowering) hit as they do for the plain function.
   """
 
-  def __init__(self, cfg: _Config, records: list[AuditRecord] | None):
+  def __init__(self, cfg: _Config, records: list[AuditRecord] | None,
+               fp8_vars: Sequence[tuple[Any, Any]] | None = None):
     self.cfg = cfg
     self.records = records
     # id(jaxpr), mode -> (jaxpr kept alive, rewritten jaxpr, audit records).
@@ -201,6 +210,15 @@ class _Retyper:
     # (primitive, operand types, params) -> (output types, effects): the
     # layers of a deep model repeat the same few re-typed equations.
     self.types: dict[tuple[Any, ...], tuple[list[Any], Any]] = {}
+    # FP8: the delayed-scaling states' (history, pending) input variables,
+    # consumed in order by the top-level matmuls (None: count them only);
+    # how many were asked for; the nesting depth; one traced FP8 call per
+    # operand types (the same sub-jaxpr at every use).
+    self.fp8_vars = list(fp8_vars) if fp8_vars is not None else None
+    self.fp8_delayed = 0
+    self.depth = 0
+    self.fp8_calls: dict[tuple[Any, ...], Any] = {}
+    self.fp8_scopes: dict[int, tuple[Any, bool]] = {}
 
   def region(self, eqn: Any) -> str | None:
     """``"off"``/``"force"`` if ``eqn`` is in such a named scope, else None."""
@@ -315,6 +333,9 @@ class _Retyper:
     if mode == "off":
       category = "original"
       invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+    elif (cfg.fp8 is not None and name == "dot_general" and name in cfg.lower
+          and self.fp8_eligible(eqn, invars)):
+      return self.fp8_dot(eqn, invars, casts, eqns)
     elif name in cfg.lower or (mode == "force" and any(
         a.aval.dtype in _CASTABLE for a in invars)):
       category = "lower"
@@ -380,19 +401,104 @@ class _Retyper:
     start = len(self.records) if self.records is not None else 0
     inner, _ = _jaxpr.jaxpr_and_consts(sub)
     # Abstract evaluation inside a shard_map body needs its mesh axes.
-    with _jaxpr.sub_context(eqn):
-      new = _jaxpr.rebuilt(sub, self.jaxpr(inner, mode))
+    self.depth += 1
+    try:
+      with _jaxpr.sub_context(eqn):
+        new = _jaxpr.rebuilt(sub, self.jaxpr(inner, mode))
+    finally:
+      self.depth -= 1
     recorded = (tuple(self.records[start:]) if self.records is not None
                 else ())
     self.subs[key] = (sub, new, recorded)
     return new
 
 
+  def fp8_eligible(self, eqn: Any, invars: list[Any]) -> bool:
+    """Whether this (half-precision) matmul runs in FP8 instead."""
+    if not all(a.aval.dtype in _CASTABLE for a in invars):
+      return False  # float64, integers: as written.
+    if any(getattr(a.aval, "vma", None) for a in invars):
+      return False  # Inside shard_map: per-device types; kept in half.
+    stack = _jaxpr.name_stack_of(eqn)
+    hit = self.fp8_scopes.get(id(stack))
+    if hit is None:
+      scopes = set(str(stack).split("/"))
+      cfg = self.cfg
+      ok = scopes.isdisjoint(cfg.fp8_exclude) and (
+          cfg.fp8_scopes is None or not scopes.isdisjoint(cfg.fp8_scopes))
+      hit = self.fp8_scopes[id(stack)] = (stack, ok)
+    return hit[1]
+
+  def fp8_dot(self, eqn: Any, invars: list[Any], casts: dict,
+              eqns: list) -> list[Any]:
+    """Emits ``eqn`` as one call of :func:`jmp_lite.fp8.dot_general`.
+
+    Operands are first cast to the compute dtype, as for a half-precision
+    matmul, and the result is in the compute dtype. A matmul of ``fn``'s own
+    jaxpr takes the next delayed-scaling state; one inside a sub-computation
+    (a nested ``jit``, a loop body) runs current scaling, since one state
+    would be shared by every iteration.
+    """
+    cfg = self.cfg
+    lhs, rhs = (self.cast(a, cfg.compute, casts, eqns, eqn) for a in invars)
+    delayed = cfg.delayed and self.depth == 0
+    state: list[Any] = []
+    if delayed:
+      self.fp8_delayed += 1
+      if self.fp8_vars:
+        state = list(self.fp8_vars.pop(0))
+      elif self.fp8_vars is not None:  # Too few states: counted, reported.
+        delayed = False
+    dims = eqn.params["dimension_numbers"]
+    key = (lhs.aval, rhs.aval, dims, bool(state))
+    template = self.fp8_calls.get(key)
+    if template is None:
+      template = self.fp8_calls[key] = _fp8_call(
+          cfg.fp8, lhs.aval, rhs.aval, dims, bool(state))
+    out = _jaxpr.new_var(eqn.outvars[0], template.outvars[0].aval)
+    eqns.append(_jaxpr.new_eqn(eqn, [lhs, rhs, *state], [out],
+                               template.primitive, template.params,
+                               template.effects))
+    if self.records is not None:
+      fmt = cfg.fp8.fwd_dtype
+      self.records.append(_audit_record(
+          eqn, "fp8-delayed" if delayed else "fp8",
+          [jax.core.ShapedArray(lhs.aval.shape, fmt),
+           jax.core.ShapedArray(rhs.aval.shape, fmt)], [out.aval]))
+    return [out]
+
+
+def _fp8_call(recipe: Any, lhs: Any, rhs: Any, dims: Any,
+              delayed: bool) -> Any:
+  """A traced ``jit`` equation computing one FP8 matmul on these types."""
+  from jmp_lite import fp8  # Imported on first use only.
+
+  if not delayed and isinstance(recipe, fp8.DelayedScaling):
+    # A matmul without a state of its own: the same formats, just in time.
+    recipe = fp8.CurrentScaling(recipe.fwd_dtype, recipe.bwd_dtype,
+                                recipe.margin)
+
+  def run(*xs: Any) -> Any:
+    state = fp8.ScalingState(*xs[2:]) if delayed else None
+    return fp8.dot_general(recipe, state)(xs[0], xs[1], dims)
+
+  n = len(fp8.ScalingState.__dataclass_fields__)
+  avals = [jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+           jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)]
+  if delayed:
+    avals += [jax.ShapeDtypeStruct((3, recipe.history), np.float32),
+              jax.ShapeDtypeStruct((3,), np.float32)][:n]
+  # The equation of a call of ``jax.jit(run)``, taken from a trace.
+  return jax.jit(lambda *xs: jax.jit(run)(*xs)).trace(*avals).jaxpr.eqns[0]
+
+
 def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                  deny: Iterable[Any] = (), use_default_lists: bool = True,
                  exclude_scopes: Sequence[str] = (),
                  force_scopes: Sequence[str] = (),
-                 accumulate_in_float32: bool = True) -> _Config:
+                 accumulate_in_float32: bool = True, fp8: Any = None,
+                 fp8_scopes: Sequence[str] | None = None,
+                 fp8_exclude_scopes: Sequence[str] = ()) -> _Config:
   """Validates :func:`autocast`'s options (shared with the audit)."""
   if isinstance(policy_or_dtype, Policy):
     compute = policy_or_dtype.compute_dtype
@@ -414,37 +520,74 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
   lower = (lower - deny_set) | allow_set
   fp32 = (fp32 - allow_set) | deny_set
   for what, scopes in (("exclude_scopes", exclude_scopes),
-                       ("force_scopes", force_scopes)):
+                       ("force_scopes", force_scopes),
+                       ("fp8_scopes", () if fp8_scopes is None else fp8_scopes),
+                       ("fp8_exclude_scopes", fp8_exclude_scopes)):
     if isinstance(scopes, str) or not all(isinstance(s, str) for s in scopes):
       raise TypeError(f"{what} must be a sequence of scope names, got"
                       f" {scopes!r}")
+  if fp8 is not None:
+    from jmp_lite.fp8._recipes import check_recipe
+    check_recipe(fp8)
+  elif fp8_scopes is not None or fp8_exclude_scopes:
+    raise ValueError("fp8_scopes/fp8_exclude_scopes need an fp8= recipe")
   return _Config(compute=compute, lower=frozenset(lower),
                  fp32=frozenset(fp32), exclude=tuple(exclude_scopes),
                  force=tuple(force_scopes),
-                 accumulate_f32=accumulate_in_float32)
+                 accumulate_f32=accumulate_in_float32, fp8=fp8,
+                 fp8_scopes=None if fp8_scopes is None else tuple(fp8_scopes),
+                 fp8_exclude=tuple(fp8_exclude_scopes))
+
+
+def _fp8_state_leaves(fp8_state: Any) -> list[Any]:
+  """The (history, pending) arrays of a delayed-scaling autocast's state."""
+  from jmp_lite.fp8 import ScalingState
+  if not isinstance(fp8_state, (tuple, list)) or not all(
+      isinstance(s, ScalingState) for s in fp8_state):
+    raise TypeError(
+        "With fp8=DelayedScaling(...), the autocast function's first argument"
+        " is its FP8 state: a tuple of jmp_lite.fp8.ScalingState (build it"
+        " with jmp_lite.autocast_fp8_state), got"
+        f" {type(fp8_state).__name__}")
+  return [leaf for s in fp8_state for leaf in (s.history, s.pending)]
 
 
 def _run(fn: Callable[..., Any], cfg: _Config, args: tuple, kwargs: dict,
-         records: list[AuditRecord] | None = None) -> Any:
-  """Calls ``fn(*args, **kwargs)`` re-typed; array leaves are traced."""
+         records: list[AuditRecord] | None = None,
+         fp8_state: Any = None) -> Any:
+  """Calls ``fn(*args, **kwargs)`` re-typed; array leaves are traced.
+
+  With a delayed FP8 recipe, ``fp8_state``'s arrays are traced as extra
+  inputs (``fn`` never sees them) that the top-level matmuls read.
+  """
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
+  state = [] if fp8_state is None else _fp8_state_leaves(fp8_state)
   rebuild_out: list[Callable[[Sequence[Any]], Any]] = []
 
   def flat_fn(*xs: Any) -> list[Any]:
-    a, k = rebuild(xs)
+    a, k = rebuild(xs[:len(arrays)])
     out_arrays, rebuild_outputs = _jaxpr.split_array_args(fn(*a, **k))
     rebuild_out.append(rebuild_outputs)
     return out_arrays
 
-  closed = _jaxpr.trace_flat(flat_fn, arrays)
+  closed = _jaxpr.trace_flat(flat_fn, [*arrays, *state])
   jaxpr, consts = _jaxpr.jaxpr_and_consts(closed)
-  new = _Retyper(cfg, records).jaxpr(jaxpr, "auto")
+  state_vars = jaxpr.invars[len(arrays):]
+  pairs = (list(zip(state_vars[0::2], state_vars[1::2], strict=True))
+           if fp8_state is not None else None)
+  retyper = _Retyper(cfg, records, pairs)
+  new = retyper.jaxpr(jaxpr, "auto")
+  if pairs is not None and retyper.fp8_delayed != len(pairs):
+    raise ValueError(
+        f"fp8_state holds {len(pairs)} scaling states, but fn has"
+        f" {retyper.fp8_delayed} delayed-scaled matmuls; build the state with"
+        " jmp_lite.autocast_fp8_state(fn, dtype, *args, fp8=...)")
   if records is not None:  # The audit needs the rewrite only.
     return None
   # Constants become explicit arguments: none is closed over (a traced
   # constant must be differentiated like any argument).
   call_jaxpr = _jaxpr.consts_as_args(new)
-  values = [*consts, *arrays]
+  values = [*consts, *arrays, *state]
   if any(map(_jaxpr.is_tracer, values)):
     outs = _differentiable_call(call_jaxpr, values)
   else:  # Eager: nothing to differentiate.
@@ -493,6 +636,9 @@ def autocast(
     exclude_scopes: Sequence[str] = (),
     force_scopes: Sequence[str] = (),
     accumulate_in_float32: bool = True,
+    fp8: Any = None,
+    fp8_scopes: Sequence[str] | None = None,
+    fp8_exclude_scopes: Sequence[str] = (),
 ) -> Callable[..., Any]:
   """Returns ``fn`` with every primitive re-typed by the autocast rules.
 
@@ -511,9 +657,28 @@ def autocast(
       compute dtype.
     accumulate_in_float32: lower-precision matmuls and convolutions
       accumulate in float32 (``preferred_element_type``).
+    fp8: a :class:`jmp_lite.fp8.CurrentScaling` or
+      :class:`~jmp_lite.fp8.DelayedScaling` recipe: every ``dot_general``
+      that would run in the compute dtype runs as
+      :func:`jmp_lite.fp8.dot_general` instead (E4M3 operands, E5M2
+      cotangent, float32 accumulation, result in the compute dtype);
+      convolutions stay in the compute dtype. With ``DelayedScaling`` the
+      returned function takes the FP8 state (from
+      :func:`autocast_fp8_state`) as its first argument: the matmuls of
+      ``fn``'s own jaxpr read it in order, those inside nested ``jit`` calls,
+      loops and other sub-computations use current scaling. Differentiate
+      with respect to it and pass that gradient to
+      :func:`jmp_lite.fp8.commit`. Apply autocast to the loss and then
+      differentiate (the backward matmuls are the FP8 function's own).
+    fp8_scopes: if given, only matmuls under one of these
+      ``jax.named_scope`` names (Flax module names are scopes too) run in
+      FP8.
+    fp8_exclude_scopes: matmuls under these scopes stay in the compute
+      dtype (the first and last layers, commonly).
 
   Returns:
-    A function with ``fn``'s signature. The array leaves of its positional
+    A function with ``fn``'s signature (with ``DelayedScaling``, the FP8
+    state first). The array leaves of its positional
     and keyword arguments (``jax.Array`` including typed PRNG keys and
     ``float0``, numpy arrays and scalars) are traced; every other leaf (a
     function or Python number held by an Equinox module, a string, ``None``,
@@ -522,8 +687,11 @@ def autocast(
 
   Raises:
     ValueError: for unknown, higher-order or integer-only primitives in the
-      lists, or one listed in both.
-    TypeError: for a compute dtype that is not float16/bfloat16/float32.
+      lists, or one listed in both; FP8 scopes without a recipe; from the
+      returned function, an FP8 state of the wrong length.
+    TypeError: for a compute dtype that is not float16/bfloat16/float32, an
+      ``fp8`` that is not a recipe; from the returned function, an FP8 state
+      that is not a tuple of :class:`jmp_lite.fp8.ScalingState`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -536,13 +704,26 @@ def autocast(
     ...                                 jnp.ones((3, 4)))
     >>> [r.dtype for r in audit.records if r.primitive == "dot_general"]
     ['bfloat16']
+    >>> g8 = jmp_lite.autocast(f, jnp.bfloat16, fp8=jmp_lite.fp8.CurrentScaling())
+    >>> jmp_lite.autocast_audit(f, jnp.bfloat16, jnp.ones((2, 3)), jnp.ones((3, 4)),
+    ...                         fp8=jmp_lite.fp8.CurrentScaling()).fp8_flop_fraction()
+    1.0
   """
   if not callable(fn):
     raise TypeError(f"autocast expects a callable, got {fn!r}")
   cfg = _make_config(policy_or_dtype, allow=allow, deny=deny,
                      use_default_lists=use_default_lists,
                      exclude_scopes=exclude_scopes, force_scopes=force_scopes,
-                     accumulate_in_float32=accumulate_in_float32)
+                     accumulate_in_float32=accumulate_in_float32, fp8=fp8,
+                     fp8_scopes=fp8_scopes,
+                     fp8_exclude_scopes=fp8_exclude_scopes)
+
+  if cfg.delayed:
+    @functools.wraps(fn)
+    def with_state(fp8_state: Any, *args: Any, **kwargs: Any) -> Any:
+      return _run(fn, cfg, args, kwargs, fp8_state=fp8_state)
+
+    return with_state
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -557,7 +738,8 @@ class AuditRecord:
 
   Attributes:
     primitive: the primitive's name.
-    category: ``"lower"``, ``"float32"``, ``"promote"`` or ``"original"``.
+    category: ``"lower"``, ``"float32"``, ``"promote"``, ``"original"``, or
+      for FP8 matmuls ``"fp8"`` (current scaling) / ``"fp8-delayed"``.
     dtype: the float dtype it ran in (``"-"`` for none).
     input_dtypes: dtypes of its inputs after casting.
     output_dtypes: dtypes of its outputs.
@@ -619,6 +801,13 @@ class Audit:
     half = sum(v for k, v in flops.items() if k in ("bfloat16", "float16"))
     return half / total if total else 0.0
 
+  def fp8_flop_fraction(self) -> float:
+    """The fraction of matmul/convolution FLOPs run in FP8."""
+    flops = self.matmul_flops()
+    total = sum(flops.values())
+    fp8 = sum(v for k, v in flops.items() if k.startswith("float8"))
+    return fp8 / total if total else 0.0
+
   def __str__(self) -> str:
     counts: dict[tuple[str, str, str], int] = {}
     for r in self.records:
@@ -629,6 +818,9 @@ class Audit:
       lines.append(f"{p:24} {c:9} {d:9} {n}")
     lines.append(f"matmul/conv FLOPs in half precision:"
                  f" {100 * self.half_flop_fraction():.1f}%")
+    if any(r.category.startswith("fp8") for r in self.records):
+      lines.append(f"matmul/conv FLOPs in FP8:"
+                   f" {100 * self.fp8_flop_fraction():.1f}%")
     return "\n".join(lines)
 
 
@@ -666,3 +858,51 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
   records: list[AuditRecord] = []
   _run(fn, cfg, args, {}, records)
   return Audit(tuple(records), cfg.compute.name)
+
+
+def autocast_fp8_state(fn: Callable[..., Any], policy_or_dtype: Any,
+                       *args: Any, **options: Any) -> tuple[Any, ...]:
+  """A fresh FP8 state for ``autocast(fn, ..., fp8=DelayedScaling(...))``.
+
+  One :class:`jmp_lite.fp8.ScalingState` per matmul of ``fn``'s own jaxpr
+  that runs in FP8, in the order the autocast function reads them. Traces
+  abstractly.
+
+  Args:
+    fn: the function (without the state argument).
+    policy_or_dtype: as for :func:`autocast`.
+    *args: example inputs, as for :func:`autocast_audit`.
+    **options: :func:`autocast`'s keyword options, ``fp8=`` a
+      :class:`~jmp_lite.fp8.DelayedScaling` among them.
+
+  Returns:
+    A tuple of states (numpy zeros: nothing is put on a device).
+
+  Raises:
+    ValueError: if ``fp8`` is not a ``DelayedScaling`` recipe.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> def loss(w, x):
+    ...   return jnp.sum(jnp.tanh(x @ w[0]) @ w[1])
+    >>> recipe = jmp_lite.fp8.DelayedScaling(history=8)
+    >>> w, x = (jnp.full((4, 4), 0.25), jnp.ones((4, 2))), jnp.ones((3, 4))
+    >>> state = jmp_lite.autocast_fp8_state(loss, jnp.bfloat16, w, x, fp8=recipe)
+    >>> g = jmp_lite.autocast(loss, jnp.bfloat16, fp8=recipe)
+    >>> observed, grads = jax.grad(g, argnums=(0, 1))(state, w, x)
+    >>> state = jmp_lite.fp8.commit(state, observed)
+    >>> len(state), state[1].history[:, 0].tolist()  # x@w0, w1, cotangent
+    (2, [0.76171875, 1.0, 1.0])
+  """
+  unknown = set(options) - set(inspect.signature(_make_config).parameters)
+  if unknown:
+    raise TypeError(f"Unknown autocast options: {sorted(unknown)}")
+  cfg = _make_config(policy_or_dtype, **options)
+  if not cfg.delayed:
+    raise ValueError(
+        "autocast_fp8_state needs fp8=jmp_lite.fp8.DelayedScaling(...), got"
+        f" fp8={cfg.fp8!r}")
+  records: list[AuditRecord] = []
+  _run(fn, cfg, args, {}, records)
+  count = sum(r.category == "fp8-delayed" for r in records)
+  return tuple(cfg.fp8.init() for _ in range(count))

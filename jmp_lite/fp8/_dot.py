@@ -265,8 +265,9 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
       delayed_amax = recipe.amax(state)
       probe = jnp.asarray(state.pending, _F32)
     else:
-      delayed_amax = np.zeros((len(ROLES),), _F32)
-      probe = np.zeros((len(ROLES),), _F32)
+      # jnp, not numpy: traced into a jaxpr, zeros are an equation rather
+      # than a captured constant.
+      delayed_amax = probe = jnp.zeros((len(ROLES),), _F32)
     return _fp8_dot(lhs, rhs, delayed_amax, probe, st)
 
   return fp8_dot_general
