@@ -227,3 +227,61 @@ def test_delayed_state_errors():
 def test_option_validation(kwargs, error, match):
   with pytest.raises(error, match=match):
     jmp_lite.autocast(mlp_loss, jnp.bfloat16, **kwargs)
+
+
+def test_autocast_fp8_trains_the_digits_mlp_like_bf16():
+  # Fidelity through autocast: the digits MLP written in float32, trained
+  # with examples.fit under autocast(bf16) and autocast(bf16, fp8=current)
+  # with the first and last layers kept out by their module names.
+  pytest.importorskip("sklearn")
+  nn = pytest.importorskip("flax.linen")
+  from jmp_lite import examples
+  x_tr, y_tr, x_te, y_te = examples.load_digits_split(0)
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(128)(x))
+      x = nn.relu(nn.Dense(128)(x))
+      return nn.Dense(10)(x)
+
+  model = MLP()
+  params = model.init(jax.random.key(0), x_tr[:1])["params"]
+  rng = np.random.default_rng(1)
+  flat = np.concatenate([rng.permutation(len(x_tr)) for _ in range(40)])
+
+  def batches(i):
+    idx = flat[i * 128:(i + 1) * 128]
+    return jnp.asarray(x_tr[idx]), jnp.asarray(y_tr[idx])
+
+  def run(**fp8_options):
+    logits_of = jmp_lite.autocast(
+        lambda p, x: model.apply({"params": p}, x), jnp.bfloat16,
+        **fp8_options)
+
+    def loss_fn(p, b):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits_of(p, b[0]), b[1]).mean()
+
+    @jax.jit
+    def evaluate(p):
+      logits = logits_of(p, x_te)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_te)
+      return loss.mean(), jnp.mean(jnp.argmax(logits, -1) == y_te)
+
+    return examples.fit(params, loss_fn, batches, steps=400, lr=3e-3,
+                        loss_scale=jmp_lite.NoOpLossScale(), master=False,
+                        eval_fn=evaluate)
+
+  options = {"fp8": CURRENT, "fp8_exclude_scopes": ("Dense_0", "Dense_2")}
+  audit = jmp_lite.autocast_audit(
+      lambda p, x: model.apply({"params": p}, x), jnp.bfloat16, params,
+      x_tr[:128], **options)
+  # 64 -> 128 (bf16), 128 -> 128 (FP8), 128 -> 10 (bf16).
+  assert audit.fp8_flop_fraction() == pytest.approx(
+      128 * 128 / (64 * 128 + 128 * 128 + 128 * 10))
+  ref, got = run(), run(**options)
+  print(f"\nautocast digits: bf16 {ref.eval_loss:.4f}, fp8 {got.eval_loss:.4f}")
+  assert got.skipped == 0
+  assert got.eval_loss <= 1.02 * ref.eval_loss
+  assert got.accuracy >= ref.accuracy - 0.02
