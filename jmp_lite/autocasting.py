@@ -704,9 +704,10 @@ def autocast(
     ...                                 jnp.ones((3, 4)))
     >>> [r.dtype for r in audit.records if r.primitive == "dot_general"]
     ['bfloat16']
-    >>> g8 = jmp_lite.autocast(f, jnp.bfloat16, fp8=jmp_lite.fp8.CurrentScaling())
-    >>> jmp_lite.autocast_audit(f, jnp.bfloat16, jnp.ones((2, 3)), jnp.ones((3, 4)),
-    ...                         fp8=jmp_lite.fp8.CurrentScaling()).fp8_flop_fraction()
+    >>> fp8 = jmp_lite.fp8.CurrentScaling()
+    >>> g8 = jmp_lite.autocast(f, jnp.bfloat16, fp8=fp8)  # FP8 matmuls
+    >>> jmp_lite.autocast_audit(f, jnp.bfloat16, jnp.ones((2, 3)),
+    ...                         jnp.ones((3, 4)), fp8=fp8).fp8_flop_fraction()
     1.0
   """
   if not callable(fn):
@@ -887,7 +888,7 @@ def autocast_fp8_state(fn: Callable[..., Any], policy_or_dtype: Any,
     ...   return jnp.sum(jnp.tanh(x @ w[0]) @ w[1])
     >>> recipe = jmp_lite.fp8.DelayedScaling(history=8)
     >>> w, x = (jnp.full((4, 4), 0.25), jnp.ones((4, 2))), jnp.ones((3, 4))
-    >>> state = jmp_lite.autocast_fp8_state(loss, jnp.bfloat16, w, x, fp8=recipe)
+    >>> state = jmp_lite.autocast_fp8_state(loss, "bf16", w, x, fp8=recipe)
     >>> g = jmp_lite.autocast(loss, jnp.bfloat16, fp8=recipe)
     >>> observed, grads = jax.grad(g, argnums=(0, 1))(state, w, x)
     >>> state = jmp_lite.fp8.commit(state, observed)

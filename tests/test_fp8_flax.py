@@ -1,4 +1,4 @@
-"""jmp_lite.fp8 building blocks for Flax: linen and nnx layers with FP8 matmuls."""
+"""jmp_lite.fp8 building blocks for Flax: linen and nnx layers in FP8."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ Example:
   >>> import jax, jax.numpy as jnp, jmp_lite
   >>> recipe = jmp_lite.fp8.CurrentScaling()
   >>> def loss(w, x):
-  ...   return jmp_lite.fp8.dot_general(recipe)(x, w, (((1,), (0,)), ((), ()))).sum()
+  ...   dot = jmp_lite.fp8.dot_general(recipe)
+  ...   return dot(x, w, (((1,), (0,)), ((), ()))).sum()
   >>> jnp.round(jax.grad(loss)(jnp.ones((3, 2)), jnp.ones((4, 3))), 4).tolist()
   [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
 """

@@ -24,7 +24,7 @@ def _is_state(x: Any) -> bool:
 
 
 def step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
-  """``(window_end, applied)`` of the optimizer step that produced ``opt_state``.
+  """``(window_end, applied)`` of the step that returned ``opt_state``.
 
   ``window_end``: the update call closed an accumulation window (always true
   without ``accumulate_gradients``/``optax.MultiSteps``: their ``mini_step``
@@ -119,7 +119,8 @@ def commit(state: T, observed: Any, opt_state: Any = None, *,
   s_leaves, s_struct = jax.tree.flatten(state, is_leaf=_is_state)
   o_leaves, o_struct = jax.tree.flatten(observed, is_leaf=_is_state)
   if s_struct != o_struct or any(
-      _is_state(s) != _is_state(o) for s, o in zip(s_leaves, o_leaves)):
+      _is_state(s) != _is_state(o)
+      for s, o in zip(s_leaves, o_leaves, strict=True)):
     raise ValueError(
         "observed must be the gradient with respect to the fp8 state (the"
         f" same structure as state); got {o_struct} with leaves"
@@ -160,7 +161,8 @@ def history_amax(state: Any) -> Any:
 
   Example:
     >>> import jmp_lite
-    >>> jmp_lite.fp8.history_amax({"a": jmp_lite.fp8.DelayedScaling(history=2).init()})
+    >>> state = {"a": jmp_lite.fp8.DelayedScaling(history=2).init()}
+    >>> jmp_lite.fp8.history_amax(state)
     {'a': Array([0., 0., 0.], dtype=float32)}
   """
   return jax.tree.map(

@@ -27,16 +27,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.fp8._quantize import (amax_of, cast_saturating, scale_for,
-                                    scale_inv_for)
-from jmp_lite.fp8._recipes import (CurrentScaling, DelayedScaling, ROLES,
-                                   ScalingState, check_recipe)
+from jmp_lite.fp8._quantize import (
+  amax_of,
+  cast_saturating,
+  scale_for,
+  scale_inv_for,
+)
+from jmp_lite.fp8._recipes import (
+  check_recipe,
+  CurrentScaling,
+  DelayedScaling,
+  ROLES,
+  ScalingState,
+)
 
 _F32 = np.dtype(np.float32)
 
@@ -105,7 +115,7 @@ def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
     position[d] = i
   for j, d in enumerate(lhs_free):
     position[d] = nb + j
-  for l_dim, r_dim in zip(lc, rc):
+  for l_dim, r_dim in zip(lc, rc, strict=True):
     position[l_dim] = nb + len(lhs_free) + rc_sorted.index(r_dim)
   return _permuted(out, tuple(position[d] for d in range(lhs_ndim)))
 
@@ -127,7 +137,7 @@ def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
   position = {}
   for i, d in enumerate(rb):
     position[d] = i
-  for l_dim, r_dim in zip(lc, rc):
+  for l_dim, r_dim in zip(lc, rc, strict=True):
     position[r_dim] = nb + lc_sorted.index(l_dim)
   for j, d in enumerate(rhs_free):
     position[d] = nb + len(lc) + j
@@ -230,7 +240,8 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
     >>> dot = jmp_lite.fp8.dot_general(jmp_lite.fp8.CurrentScaling())
-    >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.full((3, 4), 0.5, jnp.bfloat16)
+    >>> x = jnp.ones((2, 3), jnp.bfloat16)
+    >>> w = jnp.full((3, 4), 0.5, jnp.bfloat16)
     >>> y = dot(x, w, (((1,), (0,)), ((), ())))
     >>> y.dtype, y[0, 0].item()
     (dtype(bfloat16), 1.5)

@@ -90,7 +90,8 @@ def quantize(x: jax.typing.ArrayLike, dtype: Any = jnp.float8_e4m3fn, *,
     >>> q, scale_inv = jmp_lite.fp8.quantize(jnp.array([1e-4, -3e-4]))
     >>> q.dtype, q.astype(jnp.float32).tolist()  # -3e-4 lands on -448
     (dtype(float8_e4m3fn), [144.0, -448.0])
-    >>> [round(v * 1e4, 3) for v in (q.astype(jnp.float32) * scale_inv).tolist()]
+    >>> back = (q.astype(jnp.float32) * scale_inv).tolist()
+    >>> [round(v * 1e4, 3) for v in back]
     [0.964, -3.0]
   """
   dtype = _fp8_dtype(dtype, "dtype")

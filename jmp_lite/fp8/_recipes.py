@@ -194,8 +194,8 @@ class DelayedScaling:
     Example:
       >>> import jax.numpy as jnp, jmp_lite
       >>> recipe = jmp_lite.fp8.DelayedScaling(history=2)
-      >>> s = jmp_lite.fp8.ScalingState(jnp.array([[1., 3.], [2., 0.], [0., 0.]]),
-      ...                               jnp.zeros(3))
+      >>> history = jnp.array([[1., 3.], [2., 0.], [0., 0.]])
+      >>> s = jmp_lite.fp8.ScalingState(history, jnp.zeros(3))
       >>> recipe.amax(s)
       Array([3., 2., 0.], dtype=float32)
     """

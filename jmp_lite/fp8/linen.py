@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 
 from jmp_lite.fp8._dot import dot_general
-from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling, check_recipe
+from jmp_lite.fp8._recipes import check_recipe, CurrentScaling, DelayedScaling
 
 COLLECTION = "fp8"
 """The linen variable collection holding delayed-scaling states."""
@@ -47,7 +48,8 @@ class Fp8DotGeneral(nn.Module):
     >>> recipe = jmp_lite.fp8.DelayedScaling(history=8)
     >>> layer = nn.Dense(4, dot_general_cls=fp8_linen.dot_general_cls(recipe))
     >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 3)))
-    >>> sorted(variables), variables["fp8"]["Fp8DotGeneral_0"]["scaling"].history.shape
+    >>> state = variables["fp8"]["Fp8DotGeneral_0"]["scaling"]
+    >>> sorted(variables), state.history.shape
     (['fp8', 'params'], (3, 8))
   """
 
@@ -130,9 +132,13 @@ def layer_fields(recipe: CurrentScaling | DelayedScaling,
     >>> fields = fp8_linen.layer_fields(jmp_lite.fp8.DelayedScaling())
     >>> fields["dot_general"] is None, callable(fields["dot_general_cls"])
     (True, True)
-    >>> sorted(fp8_linen.layer_fields(jmp_lite.fp8.CurrentScaling(),
-    ...                               nn.MultiHeadDotProductAttention))
-    ['out_dot_general', 'out_dot_general_cls', 'qkv_dot_general', 'qkv_dot_general_cls']
+    >>> for name in sorted(fp8_linen.layer_fields(
+    ...     jmp_lite.fp8.CurrentScaling(), nn.MultiHeadDotProductAttention)):
+    ...   print(name)
+    out_dot_general
+    out_dot_general_cls
+    qkv_dot_general
+    qkv_dot_general_cls
   """
   recipe = check_recipe(recipe)
   cls = layer if isinstance(layer, type) else type(layer)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jmp_lite.fp8 import _commit
 from jmp_lite.fp8._dot import dot_general
-from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling, check_recipe
+from jmp_lite.fp8._recipes import check_recipe, CurrentScaling, DelayedScaling
 
 
 class ScalingStat(nnx.Variable):
@@ -54,7 +54,8 @@ class Fp8DotGeneral(nnx.Module):
     >>> recipe = jmp_lite.fp8.DelayedScaling(history=8)
     >>> layer = nnx.Linear(3, 4, dot_general=fp8_nnx.Fp8DotGeneral(recipe),
     ...                    rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((2, 3))).shape, list(nnx.state(layer, fp8_nnx.ScalingStat))
+    >>> y = layer(jnp.ones((2, 3)))
+    >>> y.shape, list(nnx.state(layer, fp8_nnx.ScalingStat))
     ((2, 4), ['dot_general'])
   """
 
