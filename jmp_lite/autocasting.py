@@ -417,7 +417,8 @@ class _Retyper:
     """Whether this (half-precision) matmul runs in FP8 instead."""
     if not all(a.aval.dtype in _CASTABLE for a in invars):
       return False  # float64, integers: as written.
-    if any(getattr(a.aval, "vma", None) for a in invars):
+    from jmp_lite.fp8._dot import varying_axes
+    if any(varying_axes(a.aval) for a in invars):
       return False  # Inside shard_map: per-device types; kept in half.
     stack = _jaxpr.name_stack_of(eqn)
     hit = self.fp8_scopes.get(id(stack))

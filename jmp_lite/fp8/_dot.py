@@ -85,6 +85,28 @@ def _free(ndim: int, *used: Sequence[int]) -> tuple[int, ...]:
   return tuple(d for d in range(ndim) if d not in taken)
 
 
+def _out_sharding(like: jax.Array, order: Sequence[int]) -> Any:
+  """``like``'s sharding with its dimensions in ``order``, or None.
+
+  A gradient matmul contracts dimensions the operands may be sharded along
+  (the batch, for the weight gradient); under sharding in types JAX then
+  needs the result's sharding spelled out: the operand's own, laid out as
+  the matmul produces it (as JAX's own dot_general transpose does).
+  """
+  sharding = getattr(jax.typeof(like), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    # An unsharded operand: replicated over the mesh in context, if any.
+    context = jax.sharding.get_abstract_mesh()
+    if getattr(context, "empty", True):
+      return None
+    return jax.sharding.NamedSharding(
+        context, jax.sharding.PartitionSpec(*[None] * like.ndim))
+  spec = tuple(sharding.spec) + (None,) * (like.ndim - len(sharding.spec))
+  return sharding.update(spec=jax.sharding.PartitionSpec(
+      *(spec[d] for d in order)))
+
+
 def _permuted(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
   # No transpose at all for the usual layouts (x @ W): the de-scale multiply
   # then follows the dot directly, the form XLA folds into the FP8 GEMM.
@@ -94,21 +116,19 @@ def _permuted(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
 
 
 def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
-              lhs_ndim: int) -> jax.Array:
+              lhs: jax.Array) -> jax.Array:
   """The dot_general transpose for the lhs: f32 ``d out / d lhs`` contracted.
 
   ``out`` is laid out as (batch, lhs free, rhs free). Contracting ``g``'s rhs
   free dims with ``rhs``'s free dims leaves (batch, lhs free, rhs
   contracting in rhs order), which a transpose puts back into lhs order.
+  ``lhs`` (any array of the lhs's shape and sharding) gives the layout.
   """
   (lc, rc), (lb, rb) = dims
   nb = len(lb)
-  lhs_free = _free(lhs_ndim, lc, lb)
+  lhs_free = _free(lhs.ndim, lc, lb)
   rhs_free = _free(rhs.ndim, rc, rb)
   g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
-  out = jax.lax.dot_general(
-      g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
-      preferred_element_type=_F32)
   rc_sorted = sorted(rc)
   position = {}
   for i, d in enumerate(lb):
@@ -117,22 +137,21 @@ def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
     position[d] = nb + j
   for l_dim, r_dim in zip(lc, rc, strict=True):
     position[l_dim] = nb + len(lhs_free) + rc_sorted.index(r_dim)
-  return _permuted(out, tuple(position[d] for d in range(lhs_ndim)))
+  order = sorted(range(lhs.ndim), key=position.__getitem__)
+  out = jax.lax.dot_general(
+      g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+      preferred_element_type=_F32, out_sharding=_out_sharding(lhs, order))
+  return _permuted(out, tuple(position[d] for d in range(lhs.ndim)))
 
 
 def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
-              rhs_ndim: int) -> jax.Array:
+              rhs: jax.Array) -> jax.Array:
   """The dot_general transpose for the rhs (mirror of :func:`_grad_lhs`)."""
   (lc, rc), (lb, rb) = dims
   nb = len(lb)
   lhs_free = _free(lhs.ndim, lc, lb)
-  rhs_free = _free(rhs_ndim, rc, rb)
+  rhs_free = _free(rhs.ndim, rc, rb)
   g_lhs_free = tuple(range(nb, nb + len(lhs_free)))
-  # lhs first, so that the result is (batch, lhs contracting, rhs free):
-  # already close to rhs order for the usual x @ W (no transpose at all).
-  out = jax.lax.dot_general(
-      lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
-      preferred_element_type=_F32)
   lc_sorted = sorted(lc)
   position = {}
   for i, d in enumerate(rb):
@@ -141,7 +160,13 @@ def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
     position[r_dim] = nb + lc_sorted.index(l_dim)
   for j, d in enumerate(rhs_free):
     position[d] = nb + len(lc) + j
-  return _permuted(out, tuple(position[d] for d in range(rhs_ndim)))
+  order = sorted(range(rhs.ndim), key=position.__getitem__)
+  # lhs first, so that the result is (batch, lhs contracting, rhs free):
+  # already close to rhs order for the usual x @ W (no transpose at all).
+  out = jax.lax.dot_general(
+      lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
+      preferred_element_type=_F32, out_sharding=_out_sharding(rhs, order))
+  return _permuted(out, tuple(position[d] for d in range(rhs.ndim)))
 
 
 def _scaled(x: jax.Array, own_amax: jax.Array, delayed_amax: jax.Array,
@@ -156,6 +181,36 @@ def _scaled(x: jax.Array, own_amax: jax.Array, delayed_amax: jax.Array,
   return cast_saturating(x, scale, dtype), scale_inv_for(scale, own_amax)
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+  """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``).
+
+  Read from the value's type (``x`` may be an abstract value itself):
+  ``aval.vma`` in the JAX versions that have it, ``aval.mat.varying`` in the
+  others (0.10).
+  """
+  try:
+    aval = jax.typeof(x)
+  except TypeError:  # Already an abstract value.
+    aval = x
+  axes = getattr(aval, "vma", None)
+  if axes is None:
+    axes = getattr(getattr(aval, "mat", None), "varying", None)
+  return frozenset(axes or ())
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array,
+                 reduce: Callable[..., jax.Array]) -> jax.Array:
+  """``ct`` reduced over the mapped axes it varies over and ``primal`` not.
+
+  Inside ``shard_map`` an operand replicated over an axis (a weight) meets
+  one that varies over it (the batch): its cotangent is the sum over that
+  axis (the transpose of JAX's implicit broadcast), and an observed amax the
+  maximum.
+  """
+  extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+  return reduce(ct, extra) if extra else ct
+
+
 def _forward(lhs, rhs, delayed_amax, st: _Static):
   a_l, a_r = amax_of(lhs), amax_of(rhs)
   q_l, inv_l = _scaled(lhs, a_l, delayed_amax[0], st.fwd_dtype, st)
@@ -164,7 +219,7 @@ def _forward(lhs, rhs, delayed_amax, st: _Static):
   out = jax.lax.dot_general(q_l, q_r, st.dims, preferred_element_type=_F32,
                             **kwargs)
   out = (out * (inv_l * inv_r)).astype(st.out_dtype)
-  return out, (q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax[2])
+  return out, (q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -174,19 +229,21 @@ def _fp8_dot(lhs, rhs, delayed_amax, probe, st: _Static):
 
 
 def _fp8_dot_fwd(lhs, rhs, delayed_amax, probe, st: _Static):
-  del probe
-  return _forward(lhs, rhs, delayed_amax, st)
+  out, res = _forward(lhs, rhs, delayed_amax, st)
+  return out, (*res, probe)
 
 
 def _fp8_dot_bwd(st: _Static, res, g):
-  q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_g = res
+  q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax, probe = res
   a_g = amax_of(g)
-  q_g, inv_g = _scaled(g, a_g, delayed_g, st.bwd_dtype, st)
-  d_lhs = _grad_lhs(q_g, q_r, st.dims, q_l.ndim) * (inv_g * inv_r)
-  d_rhs = _grad_rhs(q_l, q_g, st.dims, q_r.ndim) * (inv_l * inv_g)
-  observed = jnp.stack([a_l, a_r, a_g])
+  q_g, inv_g = _scaled(g, a_g, delayed_amax[2], st.bwd_dtype, st)
+  d_lhs = _grad_lhs(q_g, q_r, st.dims, q_l) * (inv_g * inv_r)
+  d_rhs = _grad_rhs(q_l, q_g, st.dims, q_r) * (inv_l * inv_g)
+  d_lhs = _like_primal(d_lhs, q_l, jax.lax.psum)
+  d_rhs = _like_primal(d_rhs, q_r, jax.lax.psum)
+  observed = _like_primal(jnp.stack([a_l, a_r, a_g]), probe, jax.lax.pmax)
   return (d_lhs.astype(st.lhs_dtype), d_rhs.astype(st.rhs_dtype),
-          jnp.zeros((len(ROLES),), _F32), observed)
+          jnp.zeros_like(delayed_amax), observed)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
