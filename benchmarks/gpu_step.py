@@ -21,7 +21,8 @@ Run: ``python benchmarks/gpu_step.py`` (``--help`` for sizes).
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,13 @@ import numpy as np
 import optax
 
 import jmp_lite
-from _common import (compile_steps, interleaved_seconds, mlp, size_parser,
-                     tree_nbytes)
+from _common import (
+  compile_steps,
+  interleaved_seconds,
+  mlp,
+  size_parser,
+  tree_nbytes,
+)
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         n_steps=args.steps, rounds=args.rounds)
     # Per-round ratios to the plain step of the same round: the spread says
     # how far apart two formulations must be to differ beyond noise.
-    ratios = {k: [t / b for t, b in zip(v, times["plain"])]
+    ratios = {k: [t / b for t, b in zip(v, times["plain"], strict=True)]
               for k, v in times.items()}
     base = stats["plain"]
     print(f"\n{compute} compute, {type(scale).__name__}:\n")

@@ -10,7 +10,8 @@ optimizer state in the donated state. For each variant it reports:
 * peak memory (``compiled.memory_analysis()``: arguments + unaliased outputs
   + temporaries) and its ratio to the plain step's;
 * the wall-clock ratio to the plain step, timed interleaved (plain, a, b, ...,
-  plain, a, b, ...) so that machine noise hits every variant alike;
+  plain, a, b, ...) so that machine noise hits every variant alike: the
+  median of the per-round ratios, with their range;
 * how many times the step was traced over the whole run (moving loss-scale
   values must never recompile).
 
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +32,13 @@ import numpy as np
 import optax
 
 import jmp_lite
-from _common import (compile_steps, interleaved_seconds, mlp, size_parser,
-                     tree_nbytes)
+from _common import (
+  compile_steps,
+  interleaved_seconds,
+  mlp,
+  size_parser,
+  tree_nbytes,
+)
 
 SCALE = 2.0**15
 
@@ -193,11 +200,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         {k: (lambda s, f=f: f(s, x, y)) for k, f in jitted.items()}, states,
         n_steps=args.steps, rounds=args.rounds)
     base = stats["plain"]
-    base_time = statistics.median(times["plain"])
+    # Per-round ratios: each round runs every variant back to back, so a
+    # ratio within one round cancels most of the machine's load drift.
+    ratios = {k: [t / b for t, b in zip(v, times["plain"], strict=True)]
+              for k, v in times.items()}
     print(f"\n{compute} compute (extra bytes and ratios against the plain"
           f" donated {compute} step):\n")
     print("| variant | extra bytes / grad bytes | peak MiB | peak vs plain"
-          " | time vs plain | ms/step | traces |")
+          " | time vs plain (median, min-max) | ms/step | traces |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in variants:
       st = stats[name]
@@ -208,13 +218,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           / grad_bytes,
           "peak_mib": st["peak"] / 2**20,
           "peak_ratio": st["peak"] / base["peak"],
-          "time_ratio": t / base_time, "ms_per_step": 1000 * t,
-          "traces": st["traces"][0],
+          "time_ratio": statistics.median(ratios[name]),
+          "time_ratio_min": min(ratios[name]),
+          "time_ratio_max": max(ratios[name]),
+          "ms_per_step": 1000 * t, "traces": st["traces"][0],
       }
       rows.append(row)
       print(f"| {name} | {row['extra_bytes_per_grad_bytes']:.2f} |"
             f" {row['peak_mib']:.1f} | {row['peak_ratio']:.3f} |"
-            f" {row['time_ratio']:.2f} | {row['ms_per_step']:.1f} |"
+            f" {row['time_ratio']:.2f} ({row['time_ratio_min']:.2f}-"
+            f"{row['time_ratio_max']:.2f}) | {row['ms_per_step']:.1f} |"
             f" {row['traces']} |")
   kind, why = jmp_lite.step.formulation(
       jmp_lite.loss_scaled(optax.adam(1e-4), jmp_lite.DynamicLossScale(

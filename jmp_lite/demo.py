@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,8 @@ def _make_model(width: int, depth: int, out: int):
 def _data(seed: int, n: int, features: int, out: int):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((n, features)).astype(np.float32)
-  w = rng.standard_normal((features, out)).astype(np.float32) / np.sqrt(features)
+  w = rng.standard_normal((features, out)).astype(np.float32)
+  w = w / np.sqrt(features)
   y = np.tanh(x @ w) + 0.05 * rng.standard_normal((n, out)).astype(np.float32)
   return x, y
 
@@ -178,9 +180,10 @@ def format_table(rows: Sequence[Row]) -> str:
 
   Example:
     >>> from jmp_lite.demo import Row, format_table
-    >>> print(format_table([Row("f32", "p=f32,c=f32,o=f32", "NoOpLossScale",
-    ...                         2.0, 0.5, 1024, 0, 1.0)]).splitlines()[0])
-    run  policy             loss scale     ms/step  speed-up  final loss  skipped  final scale  param bytes  optimizer bytes  activation bytes
+    >>> table = format_table([Row("f32", "p=f32,c=f32,o=f32", "NoOpLossScale",
+    ...                           2.0, 0.5, 1024, 0, 1.0)])
+    >>> table.splitlines()[1].split()[:5]
+    ['f32', 'p=f32,c=f32,o=f32', 'NoOpLossScale', '2.00', '1.00x']
   """
   header = ("run", "policy", "loss scale", "ms/step", "speed-up", "final loss",
             "skipped", "final scale", "param bytes", "optimizer bytes",
@@ -193,8 +196,10 @@ def format_table(rows: Sequence[Row]) -> str:
            f"{r.activation_bytes:,}") for r in rows]
   widths = [max(len(h), *(len(b[i]) for b in body))
             for i, h in enumerate(header)]
-  lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-  lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip()
+  lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)
+                     ).rstrip()]
+  lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)
+                      ).rstrip()
             for b in body]
   return "\n".join(lines)
 
@@ -266,8 +271,9 @@ def hardware_notes(policies: Sequence[jmp_lite.Policy],
     >>> from jmp_lite.demo import hardware_notes
     >>> hardware_notes([jmp_lite.get_policy("f32")])
     []
-    >>> hardware_notes([jmp_lite.get_policy("p=f32,c=bf16,o=f32")])  # on CPU
-    ['bfloat16 on the CPU is emulated and usually slower than float32; mixed precision pays off on GPUs and TPUs']
+    >>> notes = hardware_notes([jmp_lite.get_policy("p=f32,c=bf16,o=f32")])
+    >>> notes[0].split(";")[0]  # on the CPU
+    'bfloat16 on the CPU is emulated and usually slower than float32'
   """
   notes: list[str] = []
   for policy in policies:

@@ -171,7 +171,8 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
-    >>> jmp_lite.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+    >>> jmp_lite.select_tree(jnp.array(False), {"w": jnp.ones(2)},
+    ...                      {"w": jnp.zeros(2)})
     {'w': Array([0., 0.], dtype=float32)}
   """
   pred = check_scalar_bool(pred, "select_tree's pred")
@@ -209,5 +210,5 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         f" at {where}"
     )
 
-  out = [select(p, x, y) for (p, x), y in zip(a_leaves, b_leaves)]
+  out = [select(p, x, y) for (p, x), y in zip(a_leaves, b_leaves, strict=True)]
   return jax.tree.unflatten(a_def, out)

@@ -82,7 +82,8 @@ def master_weights(
   Compose it *outside* :func:`loss_scaled`, so that unscaling happens in
   float32 where small gradients cannot underflow::
 
-      opt = jmp_lite.master_weights(jmp_lite.loss_scaled(optax.adam(1e-3), scale))
+      opt = jmp_lite.master_weights(
+          jmp_lite.loss_scaled(optax.adam(1e-3), scale))
 
   A step that :func:`loss_scaled` skips leaves the master copy untouched.
 
@@ -105,7 +106,8 @@ def master_weights(
     >>> state.master["w"].dtype
     dtype('float32')
     >>> for _ in range(100):  # 100 updates of 1e-4: bf16 alone would not move
-    ...   updates, state = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    ...   updates, state = opt.update(grads, state, params)
     ...   params = optax.apply_updates(params, updates)
     >>> params["w"]
     Array([0.988281, 0.988281], dtype=bfloat16)
@@ -131,7 +133,8 @@ def master_weights(
           " opt.update(grads, state, params)"
       )
     updates, inner_state = inner.update(
-        _dtypes.cast_floating(grads, dtype), state.inner_state, state.master, **extra)
+        _dtypes.cast_floating(grads, dtype), state.inner_state, state.master,
+        **extra)
     new_master = jax.tree.map(_apply, state.master, updates)
     param_updates = jax.tree.map(_param_update, new_master, updates, params)
     return param_updates, MasterWeightsState(

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,21 @@ import numpy as np
 import optax
 
 from jmp_lite.finite import all_finite
-from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
-                                 StaticLossScale)
-from jmp_lite.transforms import (GUARD_STATES, Decided, SkipNonfiniteState,
-                                 current_loss_scale, reduce_finite,
-                                 strip_decided, unwrap_nnx)
+from jmp_lite.loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+)
+from jmp_lite.transforms import (
+  current_loss_scale,
+  Decided,
+  GUARD_STATES,
+  reduce_finite,
+  SkipNonfiniteState,
+  strip_decided,
+  unwrap_nnx,
+)
 
 # optax wrappers that hand their inner optimizer the gradients unchanged.
 _FORWARDING_OPTAX = (optax.InjectHyperparamsState,
@@ -54,7 +65,8 @@ def _forwards(node: Any) -> bool:
 
 
 def _find_guards(tree: Any) -> list[tuple[Any, tuple[str, ...]]]:
-  """Every guard state in ``tree``, with the non-forwarding wrappers around it."""
+  """Every guard state in ``tree``, with the wrappers around it that do not
+  forward the gradients."""
   found: list[tuple[Any, tuple[str, ...]]] = []
 
   def walk(node: Any, outside: tuple[str, ...]) -> None:
@@ -208,7 +220,8 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1),
+    ...                            jmp_lite.StaticLossScale(4.0))
     >>> params = jnp.ones(2)
     >>> state = opt.init(params)
     >>> grads = jax.grad(lambda p: 4.0 * (p ** 2).sum())(params)

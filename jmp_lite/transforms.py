@@ -40,8 +40,12 @@ import optax
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
-from jmp_lite.loss_scale import (DynamicLossScale, LossScale, NoOpLossScale,
-                                 StaticLossScale)
+from jmp_lite.loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+)
 from jmp_lite.master import half_precision_leaves
 from jmp_lite.policy import Policy
 
@@ -262,7 +266,7 @@ def _same_avals(shapes: Any, tree: Any) -> bool:
     return False
   return all(
       hasattr(t, "dtype") and tuple(s.shape) == tuple(jnp.shape(t))
-      and s.dtype == t.dtype for s, t in zip(s_leaves, t_leaves))
+      and s.dtype == t.dtype for s, t in zip(s_leaves, t_leaves, strict=True))
 
 
 def _minus_zero(shape: Any) -> Any:
@@ -313,7 +317,7 @@ def _guarded_update(inner: optax.GradientTransformation, grads: Any,
                     extra: dict[str, Any], *, prepare: Any = None,
                     check_updates: bool = False, axis_name: Any = None,
                     branch: bool = False) -> tuple[Any, Any, jax.Array]:
-  """Runs ``inner`` on ``prepare(grads)`` and keeps its result only where ``apply``.
+  """Runs ``inner`` on ``prepare(grads)``; keeps its result where ``apply``.
 
   With ``branch``, one ``lax.cond``: ``prepare`` (the unscale) and ``inner``
   run only inside the taken branch, so neither the prepared gradients nor a
@@ -411,7 +415,8 @@ def skip_nonfinite(
     >>> opt = jmp_lite.skip_nonfinite(optax.adam(1e-3))
     >>> params = {"w": jnp.ones(2)}
     >>> state = opt.init(params)
-    >>> updates, state = opt.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
+    >>> grads = {"w": jnp.array([1.0, jnp.nan])}
+    >>> updates, state = opt.update(grads, state, params)
     >>> updates["w"], int(state.total_skips)
     (Array([-0., -0.], dtype=float32), 1)
   """
@@ -495,7 +500,9 @@ def default_loss_scale(policy: Policy | str) -> LossScale:
     'NoOpLossScale'
   """
   if isinstance(policy, str):
-    from jmp_lite.policy import get_policy  # Local: keeps the import graph flat.
+    from jmp_lite.policy import (
+      get_policy,  # Local: keeps the import graph flat.
+    )
     policy = get_policy(policy)
   if not isinstance(policy, Policy):
     raise TypeError(
@@ -524,7 +531,10 @@ def loss_scaled(
   runs ``inner`` on the unscaled gradients (so a clipping or weight-decay step
   inside ``inner`` sees true gradient values), skips the step as
   :func:`skip_nonfinite` does when they are not finite, and adjusts the scale.
-  Use :func:`current_loss_scale` to fetch the scale for the next loss.
+  Use :func:`current_loss_scale` to fetch the scale for the next loss (or
+  :func:`jmp_lite.scaled_value_and_grad`, which takes the optimizer state),
+  and :func:`jmp_lite.update_and_apply` instead of ``update`` +
+  ``optax.apply_updates`` for the cheapest donated train step.
 
   Args:
     inner: the optimizer to wrap; put every transformation that must see
@@ -564,7 +574,8 @@ def loss_scaled(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1),
+    ...                            jmp_lite.StaticLossScale(4.0))
     >>> params = jnp.ones(2)
     >>> state = opt.init(params)
     >>> scale = jmp_lite.current_loss_scale(state)
@@ -723,7 +734,8 @@ def loss_scaled_state(opt_state: Any,
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.master_weights(jmp_lite.loss_scaled(optax.sgd(0.1), "f32"))
+    >>> opt = jmp_lite.master_weights(
+    ...     jmp_lite.loss_scaled(optax.sgd(0.1), "f32"))
     >>> int(jmp_lite.loss_scaled_state(opt.init(jnp.ones(2))).total_skips)
     0
   """

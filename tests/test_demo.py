@@ -30,7 +30,8 @@ def test_demo_trains_all_three_precisions(capsys):
   assert "final loss" in out and "p=f32,c=f16,o=f32" in out
   # Under the table: why half precision is slower here (emulated on CPU).
   table_end = out.index("p=f32,c=f16,o=f32")
-  notes = [l for l in out[table_end:].splitlines() if l.startswith("note: ")]
+  notes = [line for line in out[table_end:].splitlines()
+           if line.startswith("note: ")]
   assert notes == [
       "note: bfloat16 on the CPU is emulated and usually slower than float32;"
       " mixed precision pays off on GPUs and TPUs",

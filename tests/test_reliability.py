@@ -19,7 +19,8 @@ from tests.test_loss_scale import reference_schedule
 def _init_params():
   rng = np.random.default_rng(0)
   return {
-      "dense": {"w": jnp.asarray(rng.standard_normal((6, 5)) * 0.3, jnp.float32),
+      "dense": {"w": jnp.asarray(rng.standard_normal((6, 5)) * 0.3,
+                                 jnp.float32),
                 "b": jnp.zeros((5,), jnp.float32)},
       "out": {"w": jnp.asarray(rng.standard_normal((5, 2)) * 0.3, jnp.float32)},
   }
@@ -89,7 +90,7 @@ def _make_step(opt, scaled):
 
 def _mask(fault):
   leaves, treedef = jax.tree.flatten(_init_params())
-  masks = [np.zeros(l.shape, bool) for l in leaves]
+  masks = [np.zeros(leaf.shape, bool) for leaf in leaves]
   if fault is not None:
     i, pos, _ = fault
     masks[i].reshape(-1)[pos % masks[i].size] = True
@@ -118,7 +119,7 @@ def test_fault_injection_over_hundreds_of_steps(kind):
   plain_params, plain_state = _init_params(), plain_opt.init(_init_params())
   no_fault = _mask(None)
   scales = []
-  for (x, y), fault in zip(batches, faults):
+  for (x, y), fault in zip(batches, faults, strict=True):
     before = (params, state.inner_state)
     bad = jnp.float32(fault[2] if fault else 0.0)
     params, state = step(params, state, x, y, _mask(fault), bad)
@@ -155,7 +156,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
   batches, faults = _batches(n, seed=5), _faults(n, rate=0.25, seed=6)
 
   def run(params, state, lo, hi):
-    for (x, y), fault in list(zip(batches, faults))[lo:hi]:
+    for (x, y), fault in list(zip(batches, faults, strict=True))[lo:hi]:
       bad = jnp.float32(fault[2] if fault else 0.0)
       params, state = step(params, state, x, y, _mask(fault), bad)
     return params, state
@@ -234,7 +235,7 @@ def test_accumulation_one_adjustment_per_optimizer_step(poison_at):
     scales.append(float(jmp_lite.current_loss_scale(state).loss_scale))
     skips.append(int(state.inner_state.inner_state.total_skips))
     moved.append(not all(bool(jnp.all(a == b)) for a, b in zip(
-        jax.tree.leaves(params), jax.tree.leaves(before))))
+        jax.tree.leaves(params), jax.tree.leaves(before), strict=True)))
   # Window 2 (micro-steps 4..7) is poisoned: its step skips and backs off;
   # the scale only ever changes at window ends (3, 7, 11, 15).
   assert scales == [64.0] * 4 + [64.0] * 3 + [32.0] + [32.0] * 4 + [
@@ -260,8 +261,8 @@ def test_partitioned_optimizers_with_their_own_scales():
   opt = optax.multi_transform(
       {"gen": jmp_lite.loss_scaled(optax.sgd(0.1),
                                    jmp_lite.DynamicLossScale(8.0), name="gen"),
-       "disc": jmp_lite.loss_scaled(optax.sgd(0.1),
-                                    jmp_lite.DynamicLossScale(8.0), name="disc")},
+       "disc": jmp_lite.loss_scaled(
+           optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0), name="disc")},
       {"dense": "gen", "out": "disc"})
   params = _init_params()
   state = opt.init(params)

@@ -45,7 +45,7 @@ N_STEPS = 11
 
 def _mask(fault):
   leaves, treedef = jax.tree.flatten(_params())
-  masks = [np.zeros(l.shape, bool) for l in leaves]
+  masks = [np.zeros(leaf.shape, bool) for leaf in leaves]
   if fault is not None:
     i, pos, _ = fault
     masks[i].reshape(-1)[pos % masks[i].size] = True
@@ -133,7 +133,7 @@ def _steps(opt, scaled):
 def _assert_close_to_ulps(got, want, old, ulps=2):
   """Floats within ``ulps`` ulps of the larger of old and new; rest exact."""
   for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want),
-                     jax.tree.leaves(old)):
+                     jax.tree.leaves(old), strict=True):
     g, w, o = np.asarray(g), np.asarray(w), np.asarray(o)
     assert g.dtype == w.dtype
     if not np.issubdtype(g.dtype, np.floating) and g.dtype != jnp.bfloat16:
@@ -194,7 +194,8 @@ def test_skips_leave_everything_as_a_run_without_the_bad_steps(name):
     params, state, loss = step(params, state, x, y, _mask(fault),
                                jnp.float32(fault[2]))
     # Bit for bit, -0.0 included (assert_trees_all_equal compares values).
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0])):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0]),
+                    strict=True):
       np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
     chex.assert_trees_all_equal(params, before[0])
     # Everything but the guard's counters and scale: inner state, master
@@ -660,12 +661,14 @@ def test_docs_float32_to_loss_scaled_is_two_lines():
   def step_lines(block):
     lines = block.splitlines()
     start = lines.index("params = init_params()")
-    end = next(i for i, l in enumerate(lines)
-               if l.startswith("params, opt_state, loss = train_step("))
-    return [l.split("  # changed")[0].rstrip() for l in lines[start:end + 1]]
+    end = next(i for i, line in enumerate(lines)
+               if line.startswith("params, opt_state, loss = train_step("))
+    return [line.split("  # changed")[0].rstrip()
+            for line in lines[start:end + 1]]
 
   f32, scaled = (step_lines(b) for b in _docs_blocks()[:2])
-  changed = [l for l in difflib.unified_diff(f32, scaled, lineterm="", n=0)
-             if l.startswith("+") and not l.startswith("+++")]
+  changed = [line for line in difflib.unified_diff(f32, scaled, lineterm="",
+                                                   n=0)
+             if line.startswith("+") and not line.startswith("+++")]
   assert len(changed) == 2, changed
   assert "loss_scaled" in changed[0] and "scaled_value_and_grad" in changed[1]

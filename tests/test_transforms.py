@@ -60,7 +60,7 @@ def test_skipped_steps_equal_a_run_without_them():
   state, ref_state = opt.init(params), ref_opt.init(ref_params)
   rng = np.random.default_rng(0)
   for i in range(40):
-    g = jax.tree.map(lambda x: x * (1 + i / 10), _grads())
+    g = jax.tree.map(lambda x, i=i: x * (1 + i / 10), _grads())
     if rng.random() < 0.3:
       bad = {"w": g["w"].at[0, 0].set(np.nan), "b": g["b"]}
       params, state = step(params, state, bad)
@@ -180,11 +180,14 @@ def test_current_loss_scale_found_inside_wrappers():
 
 def test_several_named_scales():
   opt = optax.multi_transform(
-      {"gen": jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0), name="gen"),
-       "disc": jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0), name="disc")},
+      {"gen": jmp_lite.loss_scaled(
+          optax.sgd(0.1), jmp_lite.StaticLossScale(2.0), name="gen"),
+       "disc": jmp_lite.loss_scaled(
+           optax.sgd(0.1), jmp_lite.StaticLossScale(4.0), name="disc")},
       {"w": "gen", "b": "disc"})
   state = opt.init(_params())
-  assert float(jmp_lite.current_loss_scale(state, name="disc").loss_scale) == 4.0
+  disc = jmp_lite.current_loss_scale(state, name="disc")
+  assert float(disc.loss_scale) == 4.0
   with pytest.raises(ValueError, match="2 loss_scaled states found"):
     jmp_lite.current_loss_scale(state)
   with pytest.raises(ValueError, match="No loss_scaled state named 'x'"):
@@ -225,7 +228,8 @@ def test_state_round_trips_through_lower_and_eval_shape():
 def test_manual_path_composes_to_the_same_result_as_loss_scaled():
   """scale/unscale/adjust by hand + skip_nonfinite == loss_scaled."""
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-  auto = jmp_lite.loss_scaled(inner, jmp_lite.DynamicLossScale(2.0**4, period=2))
+  auto = jmp_lite.loss_scaled(inner,
+                              jmp_lite.DynamicLossScale(2.0**4, period=2))
   manual = jmp_lite.skip_nonfinite(inner)
 
   def loss(p, x):
@@ -298,14 +302,15 @@ def test_both_formulations_skip_bit_identically(guard, skip_with):
   params = _params()
   params["b"] = params["b"].at[1].set(-0.0)
   state = opt.init(params)
-  for i, bad in enumerate([np.inf, None, np.nan, -np.inf, None, None]):
+  for bad in [np.inf, None, np.nan, -np.inf, None, None]:
     before = (params, state.inner_state)
     params, state = step(params, state, _grads(scale=16.0, bad=bad))
     if bad is None:
       assert bool(state.last_finite)
       continue
     chex.assert_trees_all_equal((params, state.inner_state), before)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0])):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before[0]),
+                    strict=True):
       np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
     assert not bool(state.last_finite)
   assert int(state.total_skips) == 3
@@ -324,8 +329,8 @@ def test_formulations_agree_on_applied_steps():
     params = _params()
     state = opt.init(params)
     for i in range(8):
-      params, state = step(params, state, _grads(scale=16.0 * (1 + i),
-                                                 bad=np.nan if i == 3 else None))
+      grads = _grads(scale=16.0 * (1 + i), bad=np.nan if i == 3 else None)
+      params, state = step(params, state, grads)
     out[skip_with] = (params, state)
   chex.assert_trees_all_close(jax.tree.leaves(out["cond"]),
                               jax.tree.leaves(out["select"]), rtol=1e-6,

@@ -14,10 +14,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmp_lite  # noqa: E402
-
 
 
 def make_opt(axis_name=None):
@@ -142,14 +142,15 @@ def check_shard_map(axis_name):
     return
   assert (scales == 2.0**9).all(), scales
   assert (skips == 1).all(), skips
-  for leaf, ref in zip(jax.tree.leaves(all_params), jax.tree.leaves(params)):
+  for leaf, ref in zip(jax.tree.leaves(all_params), jax.tree.leaves(params),
+                       strict=True):
     for i in range(8):
       np.testing.assert_array_equal(np.asarray(leaf[i]), np.asarray(ref))
   print("ok shard_map with axis_name")
 
 
 def check_update_and_apply_data_parallel():
-  """Donated update_and_apply step, NamedSharding: one device's NaN skips all."""
+  """Donated update_and_apply, NamedSharding: one device's NaN skips all."""
   mesh = jax.make_mesh((8,), ("data",))
   repl = NamedSharding(mesh, P())
   opt = make_opt()
@@ -231,7 +232,8 @@ def check_update_and_apply_shard_map():
   all_params, all_states = step(params, state, *batch())
   assert (np.asarray(all_states.loss_scale.loss_scale) == 2.0**9).all()
   assert (np.asarray(all_states.total_skips) == 1).all()
-  for leaf, ref in zip(jax.tree.leaves(all_params), jax.tree.leaves(params)):
+  for leaf, ref in zip(jax.tree.leaves(all_params), jax.tree.leaves(params),
+                       strict=True):
     for i in range(8):
       np.testing.assert_array_equal(np.asarray(leaf[i]), np.asarray(ref))
   print("ok update_and_apply shard_map with axis_name")
