@@ -39,19 +39,30 @@ class PrecisionWarning(UserWarning):
 def tree_bytes(tree: Any) -> int:
   """Bytes held by the array leaves of ``tree`` (no device access).
 
+  An array object that appears twice (tied weights) is counted once; typed
+  PRNG keys count their key data.
+
   Args:
-    tree: any pytree (params, an optimizer state, a ``jax.vjp`` closure).
+    tree: any pytree (params, an optimizer state, a ``jax.vjp`` closure),
+      of arrays or ``jax.ShapeDtypeStruct``.
 
   Returns:
-    The sum of ``size * itemsize`` over leaves that have a dtype.
+    The sum of ``size * itemsize`` over distinct leaves that have a dtype.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
-    >>> jmp_lite.diagnostics.tree_bytes({"w": jnp.ones((2, 3), jnp.bfloat16)})
+    >>> w = jnp.ones((2, 3), jnp.bfloat16)
+    >>> jmp_lite.diagnostics.tree_bytes({"w": w, "tied": w})
     12
   """
-  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+  seen: set[int] = set()
+  total = 0
+  for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state):
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")) or id(x) in seen:
+      continue
+    seen.add(id(x))
+    total += int(np.prod(x.shape)) * x.dtype.itemsize
+  return total
 
 
 def nonfinite_counts(tree: Any) -> Any:
@@ -268,8 +279,9 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
 
   Args:
     fn: the function (e.g. a loss, or ``jax.grad`` of one).
-    *args: its array arguments.
-    **kwargs: passed through unchanged.
+    *args: its arguments; array leaves are traced, other leaves (an Equinox
+      module's functions and fields) are passed through.
+    **kwargs: more arguments, likewise.
 
   Returns:
     A :class:`NonfiniteOrigin`, or ``None`` if everything stayed finite.
@@ -282,14 +294,17 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     >>> origin.primitive, origin.dtype
     ('exp', 'float16')
   """
-  leaves, treedef = jax.tree.flatten(args)
+  # Array leaves are traced; the rest (an Equinox module's functions and
+  # static fields) is passed through as it is.
+  arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
 
   def flat(*xs):
-    return fn(*jax.tree.unflatten(treedef, xs), **kwargs)
+    a, k = rebuild(xs)
+    return fn(*a, **k)
 
-  closed, _ = _jaxpr.trace(flat, *leaves)
+  closed, _ = _jaxpr.trace(flat, *arrays)
   try:
-    _eval_checking(closed.jaxpr, closed.consts, leaves, ())
+    _eval_checking(closed.jaxpr, closed.consts, arrays, ())
   except _Found as found:
     return found.origin
   return None
@@ -362,7 +377,9 @@ def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
   """
   if multiple < 1:
     raise ValueError(f"multiple must be >= 1, got {multiple}")
-  closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+  arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
+  closed = jax.make_jaxpr(lambda *xs: (lambda a, k: fn(*a, **k))(
+      *rebuild(xs)))(*arrays)
   found: list[Misaligned] = []
 
   def walk(jaxpr: Any) -> None:

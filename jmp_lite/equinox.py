@@ -35,6 +35,7 @@ import numpy as np
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport
 from jmp_lite.rules import Rule
@@ -74,22 +75,33 @@ def _modules(root: eqx.Module) -> dict[Path, eqx.Module]:
     if isinstance(node, MixedPrecision) and path:
       return  # A nested policy resolves its own modules.
     for name, child in _children(node)[0]:
-      if isinstance(child, eqx.Module):
+      if isinstance(child, eqx.Module) and not isinstance(
+          child, eqx.nn.StateIndex):
         walk(child, path + tuple(name.split("/")))
 
   walk(root, ())
   return out
 
 
+def _is_layer(node: Any) -> bool:
+  """Whether ``node`` is a module that is called (not a data container)."""
+  return isinstance(node, eqx.Module) and callable(node)
+
+
 def _rebuild(node: eqx.Module, path: Path,
              leaf_fn: Callable[[Path, Any], Any],
              module_fn: Callable[[Path, eqx.Module], Any]) -> Any:
-  """``node`` with its own leaves mapped and its submodules replaced."""
+  """``node`` with its own leaves mapped and its submodules replaced.
+
+  ``eqx.nn.StateIndex`` (a key into ``eqx.nn.State``) is kept as it is.
+  """
   children, treedef = _children(node)
   new = []
   for name, child in children:
     child_path = path + tuple(name.split("/"))
-    if isinstance(child, eqx.Module):
+    if isinstance(child, eqx.nn.StateIndex) or _dtypes.is_live_state(child):
+      new.append(child)
+    elif isinstance(child, eqx.Module):
       new.append(module_fn(child_path, child))
     else:
       new.append(leaf_fn(path, child))
@@ -142,7 +154,7 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
   finally:
     if not slot.path:
       slot.state.root_depth -= 1
-  out = _rules.cast_outputs(out, output, args)
+  out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
   if recorder is not None:
     recorder.call(slot.path, slot.cls, policy, (cast_args, cast_kwargs), out,
                   own)
@@ -164,8 +176,9 @@ class _Boundary(eqx.Module):
     if inner is None or name.startswith("__"):
       raise AttributeError(name)
     attr = getattr(inner, name)
-    if callable(attr) and hasattr(type(inner), name) and not isinstance(
-        attr, eqx.Module):
+    fields = {f.name for f in dataclasses.fields(inner)}
+    if name not in fields and callable(attr):
+      # A method (Equinox binds methods as modules themselves).
       slot = self.__dict__["slot"]
       return lambda *a, **k: _boundary_call(slot, attr, a, k,
                                             _own_arrays(inner))
@@ -227,6 +240,8 @@ class MixedPrecision(eqx.Module):
       body = _rebuild(node, path,
                       lambda _, x: _cast_leaf(res.policy.compute_dtype)(x),
                       convert)
+      if not _is_layer(node):
+        return body  # Data, not a layer: nothing is called on it.
       return _Boundary(body, _Slot(path, type(node), res, state))
 
     root = convert((), self.module)
@@ -283,7 +298,7 @@ def mixed_precision(
   rule_set = _rules.rule_set(policy, rules, (eqx.Module,), "equinox",
                              norm_layers=NORM_LAYERS,
                              float32_norms=float32_norms, strict=strict,
-                             enabled=enabled)
+                             enabled=enabled, fp8=False)
   modules = _modules(model)
   classes = {p: type(m) for p, m in modules.items()}
   rule_set.check_strict(classes)
@@ -342,6 +357,6 @@ def dtype_report(model: MixedPrecision, *args: Any, method: str | None = None,
   jaxpr = jax.make_jaxpr(f)(dynamic)
   stored = {p: _own_arrays(m) for p, m in _modules(model.module).items()}
   return recorder.report(jaxpr, {p: v for p, v in stored.items() if v},
-                         _report.tree_bytes(
+                         tree_bytes(
                              [x for x in jax.tree.leaves(model.module)
                               if isinstance(x, (jax.Array, np.ndarray))]))

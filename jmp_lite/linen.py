@@ -47,9 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport, ReportRow
 from jmp_lite.rules import FLOAT32, Rule
@@ -179,8 +181,8 @@ def _interceptor(call: _Call) -> Callable[..., Any]:
     if path in call.rematting:
       # The inner call of a recomputed island: the outer call cast already.
       call.rematting.discard(path)
-      return _run_layer(call, module, policy, next_fun, args, kwargs)
-    scope = (call.recorder.scope(path, type(module), policy)
+      return _run_layer(call, module, resolved, next_fun, args, kwargs)
+    scope = (call.recorder.scope(path, type(module), policy, resolved.fp8)
              if call.recorder is not None else contextlib.nullcontext())
     output = resolved.output
     if not path:
@@ -196,9 +198,9 @@ def _interceptor(call: _Call) -> Callable[..., Any]:
           out = nn.remat(lambda m, *a, **k: getattr(m, method)(*a, **k))(
               module, *cast_args, **cast_kwargs)
         else:
-          out = _run_layer(call, module, policy, next_fun, cast_args,
+          out = _run_layer(call, module, resolved, next_fun, cast_args,
                            cast_kwargs)
-        out = _rules.cast_outputs(out, output, args)
+        out = _rules.cast_outputs(out, output, args, carry=bool(path))
     finally:
       if not path:
         call.root_depth -= 1
@@ -212,12 +214,19 @@ def _interceptor(call: _Call) -> Callable[..., Any]:
   return intercept
 
 
-def _run_layer(call: _Call, module: nn.Module, policy: Policy,
+def _run_layer(call: _Call, module: nn.Module, resolved: _rules.Resolved,
                next_fun: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
   if not _is_flax_layer(module):
     return next_fun(*args, **kwargs)
+  policy = resolved.policy
   values = {"dtype": policy.compute_dtype,
             "param_dtype": _creation_dtype(policy)}
+  if resolved.fp8 is not None:
+    from jmp_lite.fp8 import linen as fp8_linen  # Flax-dependent, on demand.
+    try:
+      values.update(fp8_linen.layer_fields(resolved.fp8, type(module)))
+    except TypeError:
+      pass  # No matmul to put in FP8 (norms, convolutions, embeddings).
   with _fields_set(module, values):
     return next_fun(*args, **kwargs)
 
@@ -425,8 +434,8 @@ class MixedPrecision(nn.Module):
 
     # Arrays are traced; everything else (flags such as `train`) stays a
     # Python value, as the model's own code expects.
-    closed = _close_over_static(trace, dict(variables), args, kwargs)
-    jax.eval_shape(*closed)
+    arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
+    jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
     self.rule_set.check_strict(call.classes)
     if key is not None:
       with self.memo.lock:
@@ -514,24 +523,6 @@ class MixedPrecision(nn.Module):
     return {"/".join(p): str(r.policy) for p, r in sorted(resolved.items())}
 
 
-def _close_over_static(fn: Callable[..., Any], variables: Any, args: tuple,
-                       kwargs: dict) -> tuple[Any, ...]:
-  """``(f, arrays)`` for ``jax.eval_shape``: non-array leaves closed over."""
-  leaves, treedef = jax.tree.flatten((variables, args, kwargs),
-                                     is_leaf=_dtypes.is_live_state)
-  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic))
-              or isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
-  arrays = [x for x, a in zip(leaves, is_array) if a]
-
-  def f(*arrays_in: Any) -> Any:
-    it = iter(arrays_in)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    v, a, k = jax.tree.unflatten(treedef, full)
-    return fn(v, a, k)
-
-  return (f, *arrays)
-
-
 def mixed_precision(
     module: nn.Module,
     policy: Policy | str,
@@ -549,7 +540,11 @@ def mixed_precision(
       ``dtype=``/``param_dtype=`` fields are overridden by the policy.
     policy: the default :class:`~jmp_lite.Policy` or policy string.
     rules: ``(matcher, policy)`` pairs or :class:`Rule`\\ s: by module class or
-      by path pattern; first match wins, children inherit.
+      by path pattern; first match wins, children inherit. The policy of a
+      rule may be an FP8 recipe (``(nn.Dense, jmp_lite.fp8.CurrentScaling())``):
+      the matched ``Dense``/``DenseGeneral``/attention layers then run their
+      matmuls in FP8 (delayed scaling keeps its state in the ``"fp8"``
+      collection, created by ``init``; see :mod:`jmp_lite.fp8`).
     float32_norms: append ``Rule(NORM_LAYERS, p=f32,c=f32,o=<compute>)``
       after your rules: LayerNorm, BatchNorm, RMSNorm, GroupNorm and
       InstanceNorm compute (and keep their params and statistics) in float32
@@ -701,8 +696,8 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
   def f(v: Any, a: tuple, k: dict) -> Any:
     return nn.Module.apply(model, v, *a, method=run, mutable=True, **k)
 
-  closed = _close_over_static(f, dict(variables), args, kwargs)
-  jaxpr = jax.make_jaxpr(closed[0])(*closed[1:])
+  arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
+  jaxpr = jax.make_jaxpr(lambda *xs: f(*rebuild(xs)))(*arrays)
   stored = _own_params(variables.get("params", {}))
   return recorder.report(jaxpr, stored,
-                         _report.tree_bytes(variables.get("params", {})))
+                         tree_bytes(variables.get("params", {})))

@@ -47,27 +47,36 @@ def _apply(master: Any, update: Any) -> Any:
   return (master + update).astype(master.dtype)
 
 
-def _param_update(new_master: Any, update: Any, param: Any) -> Any:
-  """The update that takes ``param`` to ``new_master`` cast to its dtype."""
+def _param_update(new_master: Any, update: Any, param: Any,
+                  update_dtype: Any = None) -> Any:
+  """The update that takes ``param`` to ``new_master`` cast to its dtype.
+
+  In ``update_dtype``, or the param's own dtype when it is ``None``.
+  """
   if not _dtypes.is_floating_array(param):
     return update
   if param.dtype == new_master.dtype:
     return update  # Same dtype: the master *is* the param; pass through.
-  # Both operands are values of the param's (narrower) dtype, so in float32
-  # their difference is exact unless they are 2**13 (f16) / 2**16 (bf16) or
-  # more apart, and optax.apply_updates' (param + update).astype(dtype) then
-  # lands exactly on the cast master value.
+  # target and current are both values of the param's dtype, so their
+  # difference is exact in float32, and (param + update) lands exactly on
+  # the cast master value whenever the update holds it exactly: always in
+  # float32; in the param's own dtype whenever the two are within a factor
+  # of two of each other. A bigger leap (a param crossing towards zero)
+  # then lands within one rounding, and the next step, computed against the
+  # param as it is, closes the gap.
   wide = jnp.promote_types(param.dtype, jnp.float32)
   target = new_master.astype(param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
   # -0.0 where nothing moves (a skipped step): p + -0.0 is p bit for bit,
   # -0.0 params included, whereas target - p would be +0.0.
-  return jnp.where(target != current, target - current,
-                   jnp.asarray(-0.0, wide))
+  delta = jnp.where(target != current, target - current,
+                    jnp.asarray(-0.0, wide))
+  return delta.astype(param.dtype if update_dtype is None else update_dtype)
 
 
 def master_weights(
-    inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+    inner: optax.GradientTransformation, *, dtype: Any = jnp.float32,
+    update_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps a master copy of the params in ``dtype`` (float32) for ``inner``.
 
@@ -75,9 +84,17 @@ def master_weights(
   copy, so the optimizer's moments are float32 whatever the params' dtype.
   ``update`` casts the gradients to ``dtype`` (exactly), runs ``inner`` on the
   master copy, applies its updates there, and returns the updates that take
-  the half-precision params to the new master values cast to their dtype
-  (apply them with ``optax.apply_updates``, which casts back to each param's
-  dtype). Leaves already in ``dtype`` pass through unchanged.
+  the half-precision params to the new master values cast to their dtype.
+  Leaves already in ``dtype`` pass through unchanged.
+
+  By default the updates are in each param's own dtype, so every way of
+  applying them keeps half params half: ``optax.apply_updates`` and
+  ``eqx.apply_updates`` (which adds without casting back) alike. The params
+  then equal the master copy cast to their dtype after every step in which
+  no param leaps by more than a factor of two; a leap towards zero lands
+  within one rounding of it and is closed on the next step. With
+  ``update_dtype=jnp.float32`` and ``optax.apply_updates`` (which casts back
+  to each param's dtype) the params equal the cast master after *every* step.
 
   Compose it *outside* :func:`loss_scaled`, so that unscaling happens in
   float32 where small gradients cannot underflow::
@@ -90,6 +107,8 @@ def master_weights(
   Args:
     inner: the optimizer to run on the master copy.
     dtype: the master dtype; float32 unless you have a reason.
+    update_dtype: the dtype of the returned updates of half-precision params;
+      ``None`` (default) for each param's own dtype.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -113,6 +132,8 @@ def master_weights(
     Array([0.988281, 0.988281], dtype=bfloat16)
   """
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  if update_dtype is not None:
+    update_dtype = _dtypes.to_floating_dtype(update_dtype, "update_dtype")
 
   def init(params: Any) -> MasterWeightsState:
     def to_master(p: Any) -> Any:
@@ -136,7 +157,9 @@ def master_weights(
         _dtypes.cast_floating(grads, dtype), state.inner_state, state.master,
         **extra)
     new_master = jax.tree.map(_apply, state.master, updates)
-    param_updates = jax.tree.map(_param_update, new_master, updates, params)
+    param_updates = jax.tree.map(
+        lambda m, u, p: _param_update(m, u, p, update_dtype), new_master,
+        updates, params)
     return param_updates, MasterWeightsState(
         master=new_master, inner_state=inner_state)
 

@@ -35,9 +35,9 @@ import types
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
+from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
@@ -65,6 +65,7 @@ class _Config:
 
   cls: type
   rule_set: _rules.RuleSet
+  remat_norms: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +83,7 @@ class _Slot:
   path: Path
   resolved: _rules.Resolved
   state: _CallState
+  remat: bool = False  # Recompute this island in the backward pass.
 
 
 def _path(path: Sequence[Any]) -> Path:
@@ -152,16 +154,20 @@ def _run_method(fn: Callable[..., Any], self: nnx.Module, args: tuple,
     # The root's own methods calling each other stay in compute dtype.
     output = output if slot.state.root_depth == 0 else policy.compute_dtype
     slot.state.root_depth += 1
+  run = fn
+  if slot.remat:
+    run = nnx.remat(lambda m, *a: fn(m, *a, **cast_kwargs))
+    cast_kwargs = {}
   try:
     if recorder is None:
-      out = fn(self, *cast_args, **cast_kwargs)
+      out = run(self, *cast_args, **cast_kwargs)
     else:
-      with recorder.scope(slot.path, cls, policy):
-        out = fn(self, *cast_args, **cast_kwargs)
+      with recorder.scope(slot.path, cls, policy, slot.resolved.fp8):
+        out = run(self, *cast_args, **cast_kwargs)
   finally:
     if not slot.path:
       slot.state.root_depth -= 1
-  out = _rules.cast_outputs(out, output, args)
+  out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
   if recorder is not None:
     own = {k: v.get_value() for k, v in vars(self).items()
            if isinstance(v, nnx.Param)}
@@ -284,7 +290,10 @@ def _run(self: MixedPrecision, method: str, args: tuple, kwargs: dict,
       continue
     if _is_flax_layer(module):
       object.__setattr__(module, "dtype", resolved[path].policy.compute_dtype)
-    object.__setattr__(module, _SLOT, _Slot(path, resolved[path], state))
+    remat = config.remat_norms and config.rule_set.is_island(
+        resolved[path].rule)
+    object.__setattr__(module, _SLOT, _Slot(path, resolved[path], state,
+                                             remat))
     object.__setattr__(module, "__class__", _policy_class(type(module)))
 
   out = getattr(tmp, method)(*args, **kwargs)
@@ -299,13 +308,27 @@ def _under_nested(path: Path, modules: dict[Path, nnx.Module]) -> bool:
              if p)
 
 
+def _unchanged(new: Any, old: Any) -> bool:
+  """Whether the call left a variable's value as it was given (leaf by leaf).
+
+  Variables may hold pytrees (delayed FP8 scaling states), which nnx rebuilds
+  around the very same arrays.
+  """
+  if new is old:
+    return True
+  new_leaves, new_def = jax.tree.flatten(new)
+  old_leaves, old_def = jax.tree.flatten(old)
+  return new_def == old_def and all(
+      a is b for a, b in zip(new_leaves, old_leaves, strict=True))
+
+
 def _write_back(self: MixedPrecision, tmp: nnx.Module, given: dict,
                 stored: dict) -> None:
   """Writes the variables the call changed back, in their stored dtypes."""
   changed = []
   for path, var in nnx.to_flat_state(nnx.state(tmp)):
     value = var.get_value()
-    if path in given and value is given[path]:
+    if path in given and _unchanged(value, given[path]):
       continue
     old = stored.get(path)
     if old is not None:
@@ -326,6 +349,7 @@ def mixed_precision(
     float32_norms: bool = True,
     strict: bool = False,
     enabled: bool = True,
+    remat_norms: bool = False,
 ) -> MixedPrecision:
   """Returns an ``nnx`` model that runs under a precision policy.
 
@@ -335,11 +359,18 @@ def mixed_precision(
     policy: the default :class:`~jmp_lite.Policy` or policy string.
     rules: ``(matcher, policy)`` pairs or :class:`~jmp_lite.rules.Rule`\\ s,
       with ``nnx.Module`` classes or path patterns; first match wins,
-      children inherit.
+      children inherit. A rule's policy may be an FP8 recipe: the matched
+      ``Linear``/``LinearGeneral`` layers (and those inside matched modules,
+      such as attention's projections) get an FP8 ``dot_general`` (delayed
+      scaling: a :class:`jmp_lite.fp8.nnx.Fp8DotGeneral` holding its state).
     float32_norms: keep LayerNorm, BatchNorm, RMSNorm and GroupNorm in
       float32 (after your rules), returning the model's compute dtype.
     strict: raise if one of your rules matches no module.
     enabled: ``False`` makes everything float32.
+    remat_norms: recompute the float32 normalisation islands in the
+      backward pass (``nnx.remat``) instead of saving their float32
+      intermediates (about half of float32's residuals, as in
+      :func:`jmp_lite.linen.mixed_precision`).
 
   Returns:
     A :class:`MixedPrecision` module with the model's state layout. Passing
@@ -385,10 +416,34 @@ def mixed_precision(
       dtype = resolved[_owner(_path(path), modules)].policy.param_dtype
       if value.dtype != dtype:
         var.set_value(value.astype(dtype))
+  _install_fp8(modules, resolved)
   wrapped = object.__new__(MixedPrecision)
   wrapped.__setstate__(dict(vars(model)))
-  object.__setattr__(wrapped, _CONFIG, _Config(type(model), rule_set))
+  if not isinstance(remat_norms, bool):
+    raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
+  object.__setattr__(wrapped, _CONFIG,
+                     _Config(type(model), rule_set, remat_norms))
   return wrapped
+
+
+def _install_fp8(modules: dict[Path, nnx.Module],
+                 resolved: dict[Path, _rules.Resolved]) -> None:
+  """Gives the FP8-ruled linear layers of the (copied) model FP8 matmuls.
+
+  Done once, when the policy is applied, so that delayed scaling's state
+  (a :class:`jmp_lite.fp8.nnx.ScalingStat` in the layer's new
+  ``dot_general`` submodule) lives in the model from then on.
+  """
+  ruled = [(p, m) for p, m in modules.items() if resolved[p].fp8 is not None
+           and "dot_general" in vars(m) and _is_flax_layer(m)]
+  if not ruled:
+    return
+  from jmp_lite.fp8 import nnx as fp8_nnx  # On demand: FP8 rules only.
+  for path, module in ruled:
+    dot = fp8_nnx.dot_general_for(resolved[path].fp8)
+    # A module (delayed scaling's state) must become a data attribute.
+    setattr(module, "dot_general",
+            nnx.data(dot) if isinstance(dot, nnx.Module) else dot)
 
 
 def dtype_report(model: MixedPrecision, *args: Any, method: str = "__call__",
@@ -428,21 +483,15 @@ def dtype_report(model: MixedPrecision, *args: Any, method: str = "__call__",
         "dtype_report expects a jmp_lite.nnx.MixedPrecision (from"
         f" mixed_precision(...)), got {type(model).__name__}")
   recorder = _report.Recorder()
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_dtypes.is_live_state)
-  is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic))
-              for x in leaves]
+  # Arrays are traced; nnx arguments (Rngs) are rebuilt from their arrays
+  # inside the trace, so the report changes nothing the caller holds.
+  arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
 
-  def f(*arrays: Any) -> Any:
-    it = iter(arrays)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    # The report changes nothing the caller holds: nnx arguments (Rngs)
-    # are copied inside the trace.
-    full = [(_copy(x) if isinstance(x, nnx.Pytree) else jax.tree.map(
-        lambda v: v, x)) if _dtypes.is_live_state(x) else x for x in full]
-    a, k = jax.tree.unflatten(treedef, full)
+  def f(*xs: Any) -> Any:
+    a, k = rebuild(xs)
     return _run(model, method, a, k, recorder)
 
-  jaxpr = jax.make_jaxpr(f)(*[x for x, a in zip(leaves, is_array) if a])
+  jaxpr = jax.make_jaxpr(f)(*arrays)
   modules = _modules(model)
   stored: dict[Path, dict[str, Any]] = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

@@ -98,7 +98,8 @@ def cast_by_path(tree: T, default: Policy | str,
     dtype = getattr(policy, f"{to}_dtype")
     return leaf if leaf.dtype == dtype else leaf.astype(dtype)
 
-  out = jax.tree_util.tree_map_with_path(cast, tree)
+  out = jax.tree_util.tree_map_with_path(cast, tree,
+                                        is_leaf=_dtypes.is_opaque)
   if strict:
     unused = [p for i, (p, _) in enumerate(rules) if i not in used]
     if unused:

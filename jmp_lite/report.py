@@ -24,6 +24,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite.diagnostics import tree_bytes
 
 Path = tuple[str, ...]
 
@@ -50,31 +51,6 @@ def float_dtypes(tree: Any) -> str:
                   for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state)
                   if _dtypes.is_floating_array(x)})
   return ",".join(names) if names else "-"
-
-
-def tree_bytes(tree: Any) -> int:
-  """Bytes of the array leaves of ``tree`` (each array object counted once).
-
-  Args:
-    tree: any pytree of arrays or ``jax.ShapeDtypeStruct``.
-
-  Returns:
-    The byte count.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite.report
-    >>> w = jnp.ones((2, 3), jnp.bfloat16)
-    >>> jmp_lite.report.tree_bytes({"a": w, "tied": w})
-    12
-  """
-  seen: set[int] = set()
-  total = 0
-  for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state):
-    if not hasattr(x, "dtype") or not hasattr(x, "shape") or id(x) in seen:
-      continue
-    seen.add(id(x))
-    total += int(np.prod(x.shape)) * x.dtype.itemsize
-  return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +149,7 @@ class _Module:
   token: int
   cls: type
   policy: Any
+  fp8: Any = None
   calls: int = 0
   inputs: set[str] = dataclasses.field(default_factory=set)
   outputs: set[str] = dataclasses.field(default_factory=set)
@@ -201,24 +178,27 @@ class Recorder:
   def __init__(self) -> None:
     self.modules: dict[Path, _Module] = {}
 
-  def _module(self, path: Path, cls: type, policy: Any) -> _Module:
+  def _module(self, path: Path, cls: type, policy: Any,
+              fp8: Any = None) -> _Module:
     if path not in self.modules:
-      self.modules[path] = _Module(len(self.modules), cls, policy)
+      self.modules[path] = _Module(len(self.modules), cls, policy, fp8)
     return self.modules[path]
 
   @contextlib.contextmanager
-  def scope(self, path: Path, cls: type, policy: Any) -> Iterator[None]:
+  def scope(self, path: Path, cls: type, policy: Any,
+            fp8: Any = None) -> Iterator[None]:
     """Traces a module call's code under the module's own name scope.
 
     Args:
       path: the module path.
       cls: its class.
       policy: its resolved policy.
+      fp8: its FP8 recipe, if its matmuls are meant to run in FP8.
 
     Yields:
       Nothing; trace the module's call inside.
     """
-    module = self._module(path, cls, policy)
+    module = self._module(path, cls, policy, fp8)
     with jax.named_scope(f"{_TOKEN}{module.token}"):
       yield
 
@@ -258,13 +238,17 @@ class Recorder:
     for path, m in self.modules.items():
       computed = ops.get(m.token, set())
       computed_names = ",".join(sorted(computed)) or "-"
-      expected = np.dtype(m.policy.compute_dtype).name
+      expected = {np.dtype(m.policy.compute_dtype).name}
+      if m.fp8 is not None:
+        expected |= {np.dtype(m.fp8.fwd_dtype).name,
+                     np.dtype(m.fp8.bwd_dtype).name}
       note = ""
-      if computed and computed != {expected}:
+      if computed and not computed <= expected:
         note = (f"matmuls ran in {computed_names} but the policy says"
-                f" {expected}: this module's own code chooses the dtype (an"
-                " astype or a hard-coded dtype) and jmp_lite cannot change it;"
-                " make it explicit with a rule, or remove the cast")
+                f" {','.join(sorted(expected))}: this module's own code"
+                " chooses the dtype (an astype, a hard-coded dtype or its own"
+                " dot_general) and jmp_lite cannot change it; make it explicit"
+                " with a rule, or remove the cast")
       own = stored.get(path, {})
       rows.append(ReportRow(
           path="/".join(path), cls=m.cls.__name__, policy=str(m.policy),

@@ -14,10 +14,11 @@ What a module's resolution means at its boundary (the same in every adapter):
 * its params are stored in the param dtype and read in the compute dtype;
 * its outputs are cast to the default policy's output dtype (the root), to
   its own rule's output dtype (a module with a rule), or else to its compute
-  dtype — except a *carry*: when a call ``f(carry, ...)`` returns
-  ``(new_carry, ...)`` with ``new_carry`` shaped like ``carry``, the new
-  carry keeps the dtypes ``carry`` came in with, as ``lax.scan`` requires of
-  ``nn.scan``/``nn.RNN`` bodies.
+  dtype — except a *carry*: when a module inside the model is called as
+  ``f(carry, ...)`` and returns ``(new_carry, ...)`` with ``new_carry``
+  shaped like ``carry``, the new carry keeps the dtypes ``carry`` came in
+  with, as ``lax.scan`` requires of ``nn.scan``/``nn.RNN`` bodies. (The
+  root's outputs always take the policy's output dtype.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling
 from jmp_lite.policy import Policy, get_policy
+
+_RECIPES = (CurrentScaling, DelayedScaling)
 
 Path = tuple[str, ...]
 
@@ -68,24 +72,34 @@ def as_policy(policy: Any, what: str = "policy") -> Policy:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """Gives the modules that match ``matcher`` their own policy.
+  """Gives the modules that match ``matcher`` their own policy or FP8 recipe.
 
   Attributes:
     matcher: a module class (or tuple of classes), matched with
       ``isinstance``; or a path pattern (``str`` or ``re.Pattern``), matched
       with ``re.fullmatch`` against the ``/``-joined module path (``""`` is the
       root).
-    policy: the :class:`~jmp_lite.Policy` (or policy string) for them.
+    policy: the :class:`~jmp_lite.Policy` (or policy string) for them, or
+      ``None`` to keep the inherited one. An FP8 recipe given here
+      (``Rule(nn.Dense, jmp_lite.fp8.CurrentScaling())``) is taken as ``fp8``.
+    fp8: a :class:`jmp_lite.fp8.CurrentScaling` or
+      :class:`~jmp_lite.fp8.DelayedScaling`: the matched modules' (and their
+      children's) matmuls run in FP8 with it, in the (inherited) policy's
+      compute dtype around them. A rule without ``fp8`` ends an FP8 region
+      (a float32 rule is not FP8).
 
   Example:
-    >>> import flax.linen as nn, jmp_lite.rules
+    >>> import flax.linen as nn, jmp_lite, jmp_lite.rules
     >>> rule = jmp_lite.rules.Rule(nn.LayerNorm, "f32")
     >>> str(rule.policy), rule.matches(("encoder", "norm"), nn.LayerNorm)
     ('p=f32,c=f32,o=f32', True)
+    >>> jmp_lite.rules.Rule(nn.Dense, jmp_lite.fp8.CurrentScaling()).describe()
+    'class Dense -> fp8 CurrentScaling'
   """
 
   matcher: Any
-  policy: Any
+  policy: Any = None
+  fp8: Any = None
 
   def __post_init__(self) -> None:
     m = self.matcher
@@ -108,8 +122,24 @@ class Rule:
           "A rule's matcher must be a module class, a tuple of module classes,"
           f" or a path pattern (str or re.Pattern); got {type(m).__name__}:"
           f" {m!r}")
+    policy, fp8 = self.policy, self.fp8
+    if isinstance(policy, _RECIPES):
+      if fp8 is not None:
+        raise TypeError(f"Rule for {self.matcher!r} got two FP8 recipes")
+      policy, fp8 = None, policy
+    if policy is None and fp8 is None:
+      raise TypeError(
+          f"Rule for {self.matcher!r} needs a policy (or policy string) or an"
+          " FP8 recipe (jmp_lite.fp8.CurrentScaling / DelayedScaling)")
+    if policy is not None:
+      policy = as_policy(policy, "A rule's policy")
+    if fp8 is not None and not isinstance(fp8, _RECIPES):
+      raise TypeError(
+          "A rule's fp8 must be a jmp_lite.fp8.CurrentScaling or"
+          f" DelayedScaling recipe, got {type(fp8).__name__}: {fp8!r}")
     object.__setattr__(self, "matcher", m)
-    object.__setattr__(self, "policy", as_policy(self.policy, "A rule's policy"))
+    object.__setattr__(self, "policy", policy)
+    object.__setattr__(self, "fp8", fp8)
 
   def matches(self, path: Path, cls: type) -> bool:
     """Whether the module at ``path`` of class ``cls`` matches.
@@ -127,27 +157,33 @@ class Rule:
 
   def describe(self) -> str:
     """A short text for error messages and reports."""
+    what = " ".join(
+        part for part in (str(self.policy) if self.policy else "",
+                          f"fp8 {type(self.fp8).__name__}" if self.fp8 else "")
+        if part)
     if isinstance(self.matcher, re.Pattern):
-      return f"path {self.matcher.pattern!r} -> {self.policy}"
+      return f"path {self.matcher.pattern!r} -> {what}"
     names = ", ".join(c.__name__ for c in self.matcher)
-    return f"class {names} -> {self.policy}"
+    return f"class {names} -> {what}"
 
 
 def to_rules(rules: Iterable[Any], bases: tuple[type, ...],
-             framework: str) -> tuple[Rule, ...]:
+             framework: str, fp8: bool = True) -> tuple[Rule, ...]:
   """Validates ``rules`` for one framework.
 
   Args:
     rules: :class:`Rule` objects or ``(matcher, policy)`` pairs.
     bases: the module base classes of the framework (``flax.linen.Module``).
     framework: its name, for error messages.
+    fp8: whether the framework's adapter can run FP8 rules.
 
   Returns:
     The rules.
 
   Raises:
-    TypeError: for an entry that is not a rule or pair, or a class matcher
-      that is not a module class of ``bases``.
+    TypeError: for an entry that is not a rule or pair, a class matcher
+      that is not a module class of ``bases``, or an FP8 rule where FP8
+      rules are not supported.
 
   Example:
     >>> import flax.linen as nn, jmp_lite.rules
@@ -178,6 +214,10 @@ def to_rules(rules: Iterable[Any], bases: tuple[type, ...],
             f"{framework} rule matcher {wrong[0].__qualname__} is not a"
             f" subclass of {expected}; match {framework} module classes, or"
             " module paths with a regex string")
+    if r.fp8 is not None and not fp8:
+      raise TypeError(
+          f"{framework} rules cannot give FP8 recipes ({r.describe()}): use"
+          " jmp_lite.autocast(fn, jnp.bfloat16, fp8=recipe) for FP8 matmuls")
     out.append(r)
   return tuple(out)
 
@@ -190,11 +230,13 @@ class Resolved:
     policy: the module's effective policy (its own rule's, or inherited).
     output: the dtype its outputs are cast to (see the module docstring).
     rule: the index of its own rule in the rule set, or ``None``.
+    fp8: the FP8 recipe its matmuls run with, or ``None``.
   """
 
   policy: Policy
   output: Any
   rule: int | None
+  fp8: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,19 +289,26 @@ class RuleSet:
     own = {p: self.own_rule(p, c) for p, c in classes.items()}
     out = {}
     for path in classes:
-      policy = self.default
+      # The nearest rule with a policy sets the policy; the nearest rule of
+      # any kind sets FP8 (a policy-only rule ends an FP8 region).
+      policy, fp8, fp8_found = self.default, None, False
       for n in range(len(path), -1, -1):
         i = own.get(path[:n])
-        if i is not None:
+        if i is None:
+          continue
+        if not fp8_found:
+          fp8, fp8_found = self.rules[i].fp8, True
+        if self.rules[i].policy is not None:
           policy = self.rules[i].policy
           break
+      rule = own[path]
       if not path:
         output = self.default.output_dtype
-      elif own[path] is not None:
-        output = self.rules[own[path]].policy.output_dtype
+      elif rule is not None and self.rules[rule].policy is not None:
+        output = self.rules[rule].policy.output_dtype
       else:
         output = policy.compute_dtype
-      out[path] = Resolved(policy=policy, output=output, rule=own[path])
+      out[path] = Resolved(policy=policy, output=output, rule=rule, fp8=fp8)
     return out
 
   def check_strict(self, classes: Mapping[Path, type]) -> None:
@@ -287,7 +336,7 @@ class RuleSet:
 def rule_set(policy: Any, rules: Sequence[Any], bases: tuple[type, ...],
              framework: str, *, norm_layers: tuple[type, ...] = (),
              float32_norms: bool = True, strict: bool = False,
-             enabled: bool = True) -> RuleSet:
+             enabled: bool = True, fp8: bool = True) -> RuleSet:
   """Validates an adapter's arguments into a :class:`RuleSet`.
 
   Args:
@@ -300,6 +349,7 @@ def rule_set(policy: Any, rules: Sequence[Any], bases: tuple[type, ...],
       after the user's rules.
     strict: a user rule matching nothing is an error.
     enabled: ``False`` gives float32 everywhere and no rules.
+    fp8: whether the adapter runs FP8 rules.
 
   Returns:
     The rule set.
@@ -314,7 +364,7 @@ def rule_set(policy: Any, rules: Sequence[Any], bases: tuple[type, ...],
     ["path 'head' -> p=f32,c=f32,o=f32"]
   """
   policy = as_policy(policy)
-  user = to_rules(rules, bases, framework)
+  user = to_rules(rules, bases, framework, fp8)
   if not isinstance(strict, bool) or not isinstance(enabled, bool):
     raise TypeError(
         f"strict and enabled must be bools, got {strict!r} and {enabled!r}")
@@ -353,7 +403,8 @@ def cast_inputs(tree: Any, dtype: Any) -> Any:
   return jax.tree.map(cast, tree, is_leaf=_dtypes.is_live_state)
 
 
-def cast_outputs(out: Any, dtype: Any, args: Sequence[Any]) -> Any:
+def cast_outputs(out: Any, dtype: Any, args: Sequence[Any],
+                 carry: bool = True) -> Any:
   """Casts a module call's outputs to ``dtype``, keeping a carry's dtypes.
 
   If ``args[0]`` is a carry — ``out`` is a tuple whose first element has the
@@ -365,6 +416,8 @@ def cast_outputs(out: Any, dtype: Any, args: Sequence[Any]) -> Any:
     out: the outputs.
     dtype: the module's output dtype.
     args: the positional arguments as the caller passed them.
+    carry: whether the carry exception applies (not to the root, whose
+      outputs are the user's and always take the policy's output dtype).
 
   Returns:
     The cast outputs.
@@ -378,7 +431,8 @@ def cast_outputs(out: Any, dtype: Any, args: Sequence[Any]) -> Any:
     >>> new_carry.dtype, y.dtype
     (dtype('float32'), dtype(bfloat16))
   """
-  if args and isinstance(out, tuple) and out and _same_shapes(out[0], args[0]):
+  if (carry and args and isinstance(out, tuple) and out
+      and _same_shapes(out[0], args[0])):
     carry = jax.tree.map(
         lambda new, old: new.astype(old.dtype)
         if _dtypes.is_floating_array(new) and _dtypes.is_floating_array(old)

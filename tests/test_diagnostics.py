@@ -143,3 +143,18 @@ def test_check_hardware(dtype, device, expect):
     assert caught and issubclass(caught[0].category, jmp_lite.PrecisionWarning)
   assert jmp_lite.check_hardware(jmp_lite.get_policy(f"c={dtype}"), device,
                                  warn=False) == messages
+
+
+def test_diagnostics_take_equinox_modules_as_arguments():
+  """Issue 9, point 10: arguments holding non-array leaves (functions)."""
+  eqx = pytest.importorskip("equinox")
+  mlp = eqx.nn.MLP(3, 2, 5, 1, activation=jax.nn.relu, key=jax.random.key(0))
+
+  def loss(model, x):
+    return jnp.log(jax.vmap(model)(x) - 1e9).sum()  # log of negatives: NaN.
+
+  origin = jmp_lite.find_nonfinite(loss, mlp, jnp.ones((4, 3)))
+  assert origin is not None and origin.primitive == "log"
+  found = jmp_lite.check_alignment(lambda m, x: jax.vmap(m)(x), mlp,
+                                   jnp.ones((4, 3)))
+  assert found and all(m.primitive == "dot_general" for m in found)

@@ -28,8 +28,10 @@ def _loss(params, x):
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
 def test_half_params_equal_cast_master_after_every_step(dtype, variant):
+  # float32 updates, cast back by optax.apply_updates: exact every step.
   opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
-      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10, period=5)))
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10, period=5)),
+      update_dtype=jnp.float32)
   params = _params(dtype)
   state = opt.init(params)
   # float32 master copy and float32 moments.
@@ -190,3 +192,44 @@ def test_skipped_step_keeps_negative_zero_half_params(dtype):
   assert np.signbit(np.asarray(new["w"], np.float32)).tolist() == [
       True, False, False]
   chex.assert_trees_all_equal(new, params)
+
+
+@pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16])
+def test_updates_keep_the_param_dtype_and_land_on_the_master(half):
+  """Updates in the param dtype: plain addition (eqx.apply_updates) keeps it."""
+  opt = jmp_lite.master_weights(optax.sgd(1e-3))
+  # Away from zero, so no step leaps by more than a factor of two.
+  params = {"w": jnp.linspace(0.5, 1.0, 64).astype(half)}
+  state = opt.init(params)
+  grads = {"w": jnp.cos(jnp.arange(64.0)).astype(half)}
+  for _ in range(20):
+    updates, state = opt.update(grads, state, params)
+    assert_dtype(updates["w"], half)
+    params = jax.tree.map(lambda p, u: p + u, params, updates)  # No cast.
+    assert_dtype(params["w"], half)
+    chex.assert_trees_all_equal(
+        params["w"], jmp_lite.master_params(state)["w"].astype(half))
+
+
+def test_a_leap_towards_zero_is_closed_on_the_next_step():
+  """No single half update can land 1.0078 on 2**-9: the next step does."""
+  p0 = jnp.array([1.0 + 2.0**-7], jnp.bfloat16)
+  opt = jmp_lite.master_weights(optax.sgd(1.0))
+  state = opt.init({"w": p0})
+  params = {"w": p0}
+  jump = {"w": (p0.astype(jnp.float32) - 2.0**-9).astype(jnp.bfloat16)}
+  updates, state = opt.update(jump, state, params)
+  params = optax.apply_updates(params, updates)
+  target = jmp_lite.master_params(state)["w"].astype(jnp.bfloat16)
+  assert float(jnp.abs(params["w"] - target)[0]) <= 2.0**-7  # One rounding.
+  updates, state = opt.update({"w": jnp.zeros(1, jnp.bfloat16)}, state, params)
+  params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(params["w"], target)
+  # With float32 updates (cast back by optax.apply_updates) it lands at once.
+  exact = jmp_lite.master_weights(optax.sgd(1.0), update_dtype=jnp.float32)
+  state = exact.init({"w": p0})
+  updates, state = exact.update(jump, state, {"w": p0})
+  assert_dtype(updates["w"], jnp.float32)
+  chex.assert_trees_all_equal(
+      optax.apply_updates({"w": p0}, updates)["w"],
+      jmp_lite.master_params(state)["w"].astype(jnp.bfloat16))

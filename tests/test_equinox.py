@@ -1,0 +1,143 @@
+"""Tests for jmp_lite.equinox: policies on Equinox models, unedited."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from tests.conftest import assert_dtype
+
+eqx = pytest.importorskip("equinox")
+import jmp_lite.equinox as jeqx  # noqa: E402
+
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _dots(fn, *args):
+  from tests.models.harness import matmul_dtypes
+  return {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(fn)(*args))}
+
+
+class Encoder(eqx.Module):
+  """A user's module with a method besides __call__ and a norm island."""
+
+  proj: eqx.nn.Linear
+  norm: eqx.nn.LayerNorm
+  head: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2 = jax.random.split(key)
+    self.proj = eqx.nn.Linear(4, 8, key=k1)
+    self.norm = eqx.nn.LayerNorm(8)
+    self.head = eqx.nn.Linear(8, 3, key=k2)
+
+  def features(self, x):
+    return self.norm(jax.nn.gelu(self.proj(x)))
+
+  def __call__(self, x):
+    return self.head(self.features(x))
+
+
+def test_storage_islands_rules_and_outputs():
+  model = jeqx.mixed_precision(Encoder(jax.random.key(0)),
+                               "p=bf16,c=bf16,o=f32",
+                               rules=[("head", "p=f32,c=f32,o=f32")])
+  assert_dtype(model.module.proj.weight, jnp.bfloat16)
+  assert_dtype(model.module.norm.weight, jnp.float32)  # Island.
+  assert_dtype(model.module.head.weight, jnp.float32)  # Rule.
+  x = jnp.ones(4)
+  assert_dtype(model(x), jnp.float32)
+  f32 = np.dtype(jnp.float32)
+  assert _dots(model, x) == {(BF16, BF16), (f32, f32)}
+  assert _dots(model.method("features"), x) == {(BF16, BF16)}
+  assert_dtype(model.method("features")(x), jnp.float32)  # Root output dtype.
+  report = jeqx.dtype_report(model, x)
+  rows = {r.path: r for r in report.rows}
+  assert rows["proj"].computed == "bfloat16" and rows["head"].computed == "float32"
+  assert rows["norm"].inputs == "float32" and rows["norm"].outputs == "bfloat16"
+  assert not report.mismatches()
+
+
+def test_transforms_grads_and_vmap():
+  model = jeqx.mixed_precision(Encoder(jax.random.key(0)), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((5, 4))
+  loss = lambda m, x: jax.vmap(m)(x).sum()
+  grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+  chex.assert_trees_all_equal_dtypes(eqx.filter(grads, eqx.is_array),
+                                     eqx.filter(model, eqx.is_array))
+  assert _dots(jax.grad(lambda x: loss(model, x)), x) == {(BF16, BF16)}
+  expected = jax.vmap(model)(x)
+  # jit may fuse differently from eager: equal within a bf16 rounding.
+  chex.assert_trees_all_close(jax.jit(lambda x: jax.vmap(model)(x))(x),
+                              expected, atol=4e-3, rtol=2 ** -7)
+  chex.assert_trees_all_close(eqx.filter_vmap(model)(x), expected,
+                              atol=4e-3, rtol=2 ** -7)
+
+
+def test_o2_master_weights_keep_half_params_through_eqx_apply_updates():
+  """Point 10: eqx.apply_updates must not turn half params into float32."""
+  model = jeqx.mixed_precision(Encoder(jax.random.key(0)), "p=bf16,c=bf16,o=f32")
+  params, static = eqx.partition(model, eqx.is_array)
+  opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
+      optax.adam(1e-2), jmp_lite.NoOpLossScale()))
+  opt_state = opt.init(params)
+  x, y = jnp.ones((6, 4)), jnp.zeros((6, 3))
+
+  @eqx.filter_jit
+  def step(params, opt_state):
+    def loss(p):
+      m = eqx.combine(p, static)
+      return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return eqx.apply_updates(params, updates), opt_state, value
+
+  losses = []
+  for _ in range(5):
+    params, opt_state, value = step(params, opt_state)
+    losses.append(float(value))
+  chex.assert_trees_all_equal_dtypes(params, eqx.filter(model, eqx.is_array))
+  assert losses[-1] < losses[0]
+  master = jmp_lite.master_params(opt_state)
+  chex.assert_trees_all_close(  # The master copy, within one rounding.
+      jax.tree.map(lambda m, p: m.astype(jnp.float32), master, params),
+      jax.tree.map(lambda p: p.astype(jnp.float32), params),
+      rtol=2**-7, atol=2**-14)
+
+
+def test_batch_norm_state_passes_through_in_float32():
+  net, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+      3, axis_name="batch", mode="batch")
+  model = jeqx.mixed_precision(net, "p=f32,c=bf16,o=bf16")
+  x = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+  out, new_state = jax.vmap(model, axis_name="batch", in_axes=(0, None),
+                            out_axes=(0, None))(x, state)
+  assert_dtype(out, jnp.bfloat16)
+  for leaf in jax.tree.leaves(new_state):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert_dtype(leaf, jnp.float32)
+
+
+def test_enabled_strict_and_bad_inputs():
+  off = jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16", enabled=False)
+  assert _dots(off, jnp.ones(4)) == {(np.dtype(jnp.float32),) * 2}
+  with pytest.raises(ValueError, match=r"matched no module: \[\"path 'decoder'"):
+    jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16",
+                         rules=[("decoder", "f32")], strict=True)
+  with pytest.raises(TypeError, match=r"expects an equinox.Module instance"):
+    jeqx.mixed_precision(lambda x: x, "bf16")
+  import flax.linen as nn
+  with pytest.raises(TypeError, match=r"rule matcher Dense is not a subclass"
+                     r" of equinox"):
+    jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16",
+                         rules=[(nn.Dense, "f32")])
+  with pytest.raises(AttributeError, match="has no method 'decode'"):
+    jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16").method("decode")
+  rewrapped = jeqx.mixed_precision(
+      jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16"), "f16")
+  assert _dots(rewrapped, jnp.ones(4)) == {(np.dtype(jnp.float16),) * 2}
