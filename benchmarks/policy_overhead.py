@@ -38,7 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import bytes_accessed, count_converts, interleaved_seconds, size_parser
+from _common import (
+  bytes_accessed,
+  count_converts,
+  interleaved_seconds,
+  size_parser,
+)
 from jmp_lite import linen as jl
 
 
@@ -191,8 +196,19 @@ def lowering_seconds(layers: int = 12, d: int = 256, seq: int = 128,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  args = size_parser(__doc__.splitlines()[0], width=512, depth=4,
-                     batch=256).parse_args(argv)
+  parser = size_parser(__doc__.splitlines()[0], width=512, depth=4,
+                       batch=256)
+  parser.add_argument("--model-dim", type=int, default=512,
+                      help="Transformer width for the residual measurement")
+  parser.add_argument("--seq", type=int, default=256,
+                      help="Transformer sequence length (residuals)")
+  parser.add_argument("--seq-batch", type=int, default=16,
+                      help="Transformer batch (residuals)")
+  parser.add_argument("--lower-layers", type=int, default=12,
+                      help="Transformer depth for the lowering measurement")
+  parser.add_argument("--lower-dim", type=int, default=256,
+                      help="Transformer width for the lowering measurement")
+  args = parser.parse_args(argv)
 
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
@@ -248,9 +264,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" intermediates whatever its input. Without LayerNorm (Dense+GELU):"
         f" float32 {res_nn32 / 2**20:.2f} MiB, bfloat16"
         f" {res_nn16 / 2**20:.2f} MiB (ratio {res_nn16 / res_nn32:.2f})")
-  res = transformer_residuals()
-  print("\nTransformer, 4 layers, d=512, seq 256, batch 16: residuals saved"
-        " for the backward pass")
+  res = transformer_residuals(args.model_dim, args.seq, args.seq_batch)
+  print(f"\nTransformer, 4 layers, d={args.model_dim}, seq {args.seq}, batch"
+        f" {args.seq_batch}: residuals saved for the backward pass")
   print("| policy | residuals | vs float32 |")
   print("| --- | --- | --- |")
   for name in ("float32", "bfloat16", "bfloat16, remat_norms"):
@@ -259,10 +275,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"remat_norms moves gradients by at most"
         f" {res['max grad difference']:.2g} (same function, another backward"
         " schedule)")
-  low = lowering_seconds()
+  low = lowering_seconds(args.lower_layers, args.lower_dim,
+                         rounds=args.rounds)
   hand_first = low["first"]["flax dtype= by hand"]
   hand_later = low["later"]["flax dtype= by hand"]
-  print("\nTransformer, 12 layers: time to lower loss and gradient")
+  print(f"\nTransformer, {args.lower_layers} layers: time to lower loss and"
+        " gradient")
   print("| variant | first lowering | later lowerings (median) |")
   print("| --- | --- | --- |")
   for name in low["first"]:

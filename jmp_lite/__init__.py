@@ -38,7 +38,8 @@ from jmp_lite.low_precision import state_dtypes as state_dtypes
 from jmp_lite.low_precision import StateDtypesState as StateDtypesState
 from jmp_lite.low_precision import stochastic_rounding as stochastic_rounding
 from jmp_lite.low_precision import (
-    StochasticRoundingState as StochasticRoundingState)
+    StochasticRoundingState as StochasticRoundingState,
+)
 from jmp_lite.master import master_params as master_params
 from jmp_lite.master import master_weights as master_weights
 from jmp_lite.master import MasterWeightsState as MasterWeightsState

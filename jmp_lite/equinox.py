@@ -26,7 +26,8 @@ Equinox is an optional dependency: ``pip install "jmp-lite[equinox]"``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax

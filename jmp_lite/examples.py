@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +117,10 @@ def fit(params: Any, loss_fn: Callable[[Any, Any], jax.Array],
     return (optax.apply_updates(params, updates), state, loss,
             jmp_lite.current_loss_scale(state).loss_scale)
 
-  _, vjp_fn = jax.vjp(lambda p: loss_fn(p, batches(0)), params)
+  # Abstractly: the residuals' shapes, without running the forward pass.
+  first = batches(0)
+  vjp_fn = jax.eval_shape(
+      lambda q: jax.vjp(lambda r: loss_fn(r, first), q)[1], params)
   activation_bytes = max(tree_bytes(vjp_fn) - tree_bytes(params), 0)
   jax.block_until_ready(step(params, state, batches(0)))  # Compile.
   losses, scales = [], []
@@ -228,6 +232,7 @@ def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
     A :class:`TrainResult`.
   """
   import flax.linen as nn
+
   from jmp_lite import linen as jl
 
   policy = jmp_lite.get_policy(policy) if isinstance(policy, str) else policy
@@ -305,6 +310,7 @@ def train_char_lm(policy: Any, loss_scale: Any = None, *, steps: int = 300,
     A :class:`TrainResult` (accuracy: next-character accuracy).
   """
   import flax.linen as nn
+
   from jmp_lite import linen as jl
 
   policy = jmp_lite.get_policy(policy) if isinstance(policy, str) else policy

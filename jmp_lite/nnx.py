@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -442,8 +443,7 @@ def _install_fp8(modules: dict[Path, nnx.Module],
   for path, module in ruled:
     dot = fp8_nnx.dot_general_for(resolved[path].fp8)
     # A module (delayed scaling's state) must become a data attribute.
-    setattr(module, "dot_general",
-            nnx.data(dot) if isinstance(dot, nnx.Module) else dot)
+    module.dot_general = nnx.data(dot) if isinstance(dot, nnx.Module) else dot
 
 
 def dtype_report(model: MixedPrecision, *args: Any, method: str = "__call__",

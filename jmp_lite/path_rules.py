@@ -7,12 +7,13 @@ its key path (``"encoder/layer_0/w"``), first match wins.
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import jax
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite.policy import get_policy, Policy
 
 T = TypeVar("T")
 

@@ -104,7 +104,7 @@ class Policy:
     """
     return _dtypes.cast_floating(x, self.output_dtype)
 
-  def with_param_dtype(self, param_dtype: Any) -> "Policy":
+  def with_param_dtype(self, param_dtype: Any) -> Policy:
     """Returns a copy with ``param_dtype`` replaced.
 
     Args:
@@ -120,7 +120,7 @@ class Policy:
     """
     return dataclasses.replace(self, param_dtype=param_dtype)
 
-  def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
+  def with_compute_dtype(self, compute_dtype: Any) -> Policy:
     """Returns a copy with ``compute_dtype`` replaced.
 
     Args:
@@ -136,7 +136,7 @@ class Policy:
     """
     return dataclasses.replace(self, compute_dtype=compute_dtype)
 
-  def with_output_dtype(self, output_dtype: Any) -> "Policy":
+  def with_output_dtype(self, output_dtype: Any) -> Policy:
     """Returns a copy with ``output_dtype`` replaced.
 
     Args:
@@ -153,11 +153,7 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
   def __str__(self) -> str:
-    return "p={},c={},o={}".format(
-        _dtypes.canonical_name(self.param_dtype),
-        _dtypes.canonical_name(self.compute_dtype),
-        _dtypes.canonical_name(self.output_dtype),
-    )
+    return f"p={_dtypes.canonical_name(self.param_dtype)},c={_dtypes.canonical_name(self.compute_dtype)},o={_dtypes.canonical_name(self.output_dtype)}"
 
 
 def get_policy(policy_name: str) -> Policy:

@@ -17,7 +17,8 @@ below half an ulp.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -25,10 +26,13 @@ import numpy as np
 import optax
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.linen import MixedPrecision, Rule, mixed_precision
+from jmp_lite.linen import mixed_precision, MixedPrecision, Rule
 from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from jmp_lite.low_precision import (kahan_summation, state_dtypes,
-                                    stochastic_rounding)
+from jmp_lite.low_precision import (
+  kahan_summation,
+  state_dtypes,
+  stochastic_rounding,
+)
 from jmp_lite.master import master_weights
 from jmp_lite.policy import Policy
 from jmp_lite.transforms import loss_scaled

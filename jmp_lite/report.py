@@ -17,7 +17,8 @@ import contextlib
 import dataclasses
 import html
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np

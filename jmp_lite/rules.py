@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling
-from jmp_lite.policy import Policy, get_policy
+from jmp_lite.policy import get_policy, Policy
 
 _RECIPES = (CurrentScaling, DelayedScaling)
 

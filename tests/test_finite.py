@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
-from tests.conftest import FLOAT_DTYPE_IDS, FLOAT_DTYPES, assert_dtype
+from tests.conftest import assert_dtype, FLOAT_DTYPE_IDS, FLOAT_DTYPES
 
 ALL = FLOAT_DTYPES + [jnp.float64, jnp.complex64]
 ALL_IDS = FLOAT_DTYPE_IDS + ["f64", "c64"]

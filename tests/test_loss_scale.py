@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
-from tests.conftest import FLOAT_DTYPE_IDS, FLOAT_DTYPES, assert_dtype
+from tests.conftest import assert_dtype, FLOAT_DTYPE_IDS, FLOAT_DTYPES
 
 T, F = jnp.array(True), jnp.array(False)
 

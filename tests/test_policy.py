@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
-from tests.conftest import FLOAT_DTYPE_IDS, FLOAT_DTYPES, assert_dtype
+from tests.conftest import assert_dtype, FLOAT_DTYPE_IDS, FLOAT_DTYPES
 
 ALL_FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
@@ -188,7 +189,9 @@ def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
   for path, dtype in float_leaves(params).items():
     expected = F32 if case.island(path) else setting.param
     assert dtype == expected, (setting.name, "after training", path, dtype)
-  assert jmp_lite.loss_scaled_state(opt_state).total_skips <= 2, setting.name
+  # Dynamic scaling may skip while it backs off from 2**15; not for long.
+  skips = int(jmp_lite.loss_scaled_state(opt_state).total_skips)
+  assert skips <= STEPS // 4, (setting.name, skips)
   return np.asarray(losses)
 
 

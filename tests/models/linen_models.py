@@ -9,7 +9,8 @@ that style: the point is that jmp_lite's policy must govern them unedited.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp

