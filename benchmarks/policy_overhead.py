@@ -101,7 +101,7 @@ def residual_bytes(apply, params, x) -> int:
 
 
 class TransformerBlock(nn.Module):
-  """Pre-LN block; ``dtype`` is handed to every layer (None: leave to policy)."""
+  """Pre-LN block; ``dtype`` goes to every layer (None: left to the policy)."""
 
   heads: int
   dtype: Any = None
@@ -162,12 +162,14 @@ def transformer_residuals(d: int = 512, seq: int = 256, batch: int = 16,
   # Same function, only the backward schedule differs: gradients agree.
   small = x[:2, :32]
   p = f32.init(jax.random.key(0), small)["params"]
+  models = [jl.mixed_precision(Transformer(layers), "p=f32,c=bf16,o=f32",
+                               remat_norms=r) for r in (False, True)]
   grads = [jax.grad(lambda p, m=m: m.apply({"params": p}, small).mean())(p)
-           for m in (jl.mixed_precision(Transformer(layers), "p=f32,c=bf16,o=f32",
-                                        remat_norms=r) for r in (False, True))]
+           for m in models]
   out["max grad difference"] = max(
       float(jnp.max(jnp.abs(a - b)))
-      for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
+      for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]),
+                      strict=True))
   return out
 
 

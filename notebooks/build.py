@@ -87,11 +87,13 @@ configs = {
     "O1 bf16 compute": ("p=f32,c=bf16,o=f32", None, {}),
     "O2 bf16 + master": ("p=bf16,c=bf16,o=f32", None, {"master": True}),
     "O3 bf16 + Kahan": ("bf16", None, kahan),
-    "fp16 + dynamic": ("p=f32,c=f16,o=f32", jmp_lite.DynamicLossScale(2.0 ** 15), {}),
+    "fp16 + dynamic": ("p=f32,c=f16,o=f32",
+                       jmp_lite.DynamicLossScale(2.0 ** 15), {}),
 }
 rows = {name: examples.train_digits(p, s, steps=300, **kw)
         for name, (p, s, kw) in configs.items()}
-print(f"{'run':18} {'ms/step':>7} {'eval loss':>9} {'acc':>6} {'params+opt':>10} {'activations':>11}")
+print(f"{'run':18} {'ms/step':>7} {'eval loss':>9} {'acc':>6}"
+      f" {'params+opt':>10} {'activations':>11}")
 for name, r in rows.items():
   print(f"{name:18} {r.ms_per_step:7.2f} {r.eval_loss:9.4f} {r.accuracy:6.3f}"
         f" {r.param_bytes + r.state_bytes:10,d} {r.activation_bytes:11,d}")"""),
@@ -100,7 +102,8 @@ names = list(rows)
 fig, axes = plt.subplots(1, 3, figsize=(9, 3))
 for ax, (title, values) in zip(axes, [
     ("ms / step", [rows[n].ms_per_step for n in names]),
-    ("params + optimizer bytes", [rows[n].param_bytes + rows[n].state_bytes for n in names]),
+    ("params + optimizer bytes",
+     [rows[n].param_bytes + rows[n].state_bytes for n in names]),
     ("activation bytes", [rows[n].activation_bytes for n in names])]):
   ax.bar(range(len(names)), values)
   ax.set_xticks(range(len(names)), [n.split()[0] for n in names], fontsize=7)
@@ -116,7 +119,7 @@ with plain pure bfloat16 and stochastic rounding)."""),
     ],
     "03_migration": [
         ("md", """\
-# Migrating from jmp, Flax `DynamicScale`, and PyTorch autocast + GradScaler"""),
+# Migrating from jmp, Flax `DynamicScale` and PyTorch autocast + GradScaler"""),
         ("code", SETUP),
         ("md", """\
 ## From DeepMind's `jmp`
@@ -133,13 +136,15 @@ params = {"w": jnp.ones((3, 2))}
 x = jnp.ones((4, 3))
 
 def loss_fn(params, loss_scale):
-  out = policy.cast_to_output(policy.cast_to_compute(x) @ policy.cast_to_compute(params["w"]))
+  out = policy.cast_to_output(
+      policy.cast_to_compute(x) @ policy.cast_to_compute(params["w"]))
   return loss_scale.scale(jnp.mean(out ** 2))
 
 for _ in range(3):
   grads = loss_scale.unscale(jax.grad(loss_fn)(params, loss_scale))
   finite = jmp.all_finite(grads)
-  params = jmp.select_tree(finite, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), params)
+  new_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  params = jmp.select_tree(finite, new_params, params)
   loss_scale = loss_scale.adjust(finite)
 print(loss_scale.loss_scale, loss_scale.min_loss_scale)"""),
         ("md", """\
@@ -152,9 +157,10 @@ print(loss_scale.loss_scale, loss_scale.min_loss_scale)"""),
 | `jnp.where(is_fin, new, old)` over params *and* opt state | done inside `opt.update`: skipped steps leave both bit-for-bit unchanged |
 
 jmp_lite grows the scale on the `period`-th finite step (Flax grows one step
-later) and accepts integer leaves."""),
+later) and accepts integer leaves."""),  # noqa: E501 (Markdown table rows)
         ("code", """\
-opt = jmp_lite.loss_scaled(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0 ** 16))
+opt = jmp_lite.loss_scaled(optax.adam(1e-2),
+                           jmp_lite.DynamicLossScale(2.0 ** 16))
 params = {"w": jnp.ones((3, 2)), "steps": jnp.array(0)}
 opt_state = opt.init({"w": params["w"]})
 
@@ -190,8 +196,8 @@ PyTorch's `unscale_` before clipping."""),
 def loss_fn(w, x):
   return jnp.mean(jnp.tanh(x @ w) ** 2)
 
-fast_loss = jmp_lite.autocast(loss_fn, jnp.float16)       # with torch.autocast(...)
-opt = jmp_lite.loss_scaled(                                 # GradScaler
+fast_loss = jmp_lite.autocast(loss_fn, jnp.float16)  # torch.autocast(...)
+opt = jmp_lite.loss_scaled(                            # GradScaler
     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
     jmp_lite.DynamicLossScale(2.0 ** 16))
 w = jnp.ones((3, 2)) * 0.5
@@ -219,7 +225,8 @@ loss scale would have changed."""),
         ("code", """\
 bad = examples.train_digits("f16", jmp_lite.NoOpLossScale(), steps=100)
 good = examples.train_digits("p=f32,c=f16,o=f32", steps=100)
-print("pure float16: eval loss", bad.eval_loss, "skipped", bad.skipped, "of 100")
+print("pure float16: eval loss", bad.eval_loss,
+      "skipped", bad.skipped, "of 100")
 print("float16 compute + master params + dynamic scale: eval loss",
       round(good.eval_loss, 4), "skipped", good.skipped)
 plt.plot(good.losses, label="mixed + dynamic scale")
@@ -235,7 +242,8 @@ from jmp_lite import linen as jl
 
 x_tr, y_tr, _, _ = examples.load_digits_split()
 x, y = jnp.asarray(x_tr[:128]), jnp.asarray(y_tr[:128])
-model = jl.mixed_precision(nn.Sequential([nn.Dense(128), nn.relu, nn.Dense(10)]), "f16")
+mlp = nn.Sequential([nn.Dense(128), nn.relu, nn.Dense(10)])
+model = jl.mixed_precision(mlp, "f16")
 params = model.init(jax.random.key(0), x)["params"]
 opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale(),
                            allow_half_state=True, track_nonfinite=True)
@@ -245,9 +253,12 @@ loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
 grads = jax.grad(loss_fn)(params)
 updates, state = opt.update(grads, state, params)
 params = optax.apply_updates(params, updates)
-print("step applied:", bool(state.last_finite), "| skipped so far:", int(state.total_skips),
-      "| non-finite gradient elements per path:", jmp_lite.nonfinite_paths(state.nonfinite))
-origin = jmp_lite.find_nonfinite(lambda p: opt.update(jax.grad(loss_fn)(p), state, p)[0], params)
+print("step applied:", bool(state.last_finite),
+      "| skipped so far:", int(state.total_skips),
+      "| non-finite gradient elements per path:",
+      jmp_lite.nonfinite_paths(state.nonfinite))
+origin = jmp_lite.find_nonfinite(
+    lambda p: opt.update(jax.grad(loss_fn)(p), state, p)[0], params)
 print(origin)"""),
         ("md", """\
 No gradient element is non-finite, yet the step was skipped. With a
@@ -262,9 +273,9 @@ zero in float16. `gradient_health` shows how much underflows at a given
 scale, and how many doublings the scale has left before the largest gradient
 overflows."""),
         ("code", """\
+f32_model = jl.mixed_precision(mlp, "f32")
 f32_grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
-    jl.mixed_precision(nn.Sequential([nn.Dense(128), nn.relu, nn.Dense(10)]), "f32")
-    .apply({"params": p}, x), y).mean())(jmp_lite.cast_to_full(params))
+    f32_model.apply({"params": p}, x), y).mean())(jmp_lite.cast_to_full(params))
 # Deep nets and summed-over-many-terms losses give far smaller gradients;
 # scale these by 1e-5 to see what float16 does to them at each loss scale.
 tiny = jax.tree.map(lambda g: g * 1e-5, f32_grads)
@@ -272,13 +283,15 @@ for s in (1.0, 2.0 ** 8, 2.0 ** 15):
   h = jmp_lite.gradient_health(tiny, s, jnp.float16)
   under = {jax.tree_util.keystr(p): round(float(v), 4)
            for p, v in jax.tree_util.tree_flatten_with_path(h.underflow)[0]}
-  print(f"scale 2**{int(np.log2(s)):2d}: headroom {float(h.headroom_bits):5.1f} bits; underflow {under}")"""),
+  print(f"scale 2**{int(np.log2(s)):2d}: headroom"
+        f" {float(h.headroom_bits):5.1f} bits; underflow {under}")"""),
         ("md", """\
 Two last checks: matmul shapes that tensor cores dislike, and a dtype the
 device runs slowly."""),
         ("code", """\
 # A layer of 60 inputs and 10 outputs, as a user might write it:
-for m in jmp_lite.check_alignment(lambda x, w: x @ w, jnp.ones((128, 60)), jnp.ones((60, 10))):
+for m in jmp_lite.check_alignment(lambda x, w: x @ w, jnp.ones((128, 60)),
+                                  jnp.ones((60, 10))):
   print(m.primitive, m.dims, "->", m.hint)
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
@@ -302,7 +315,8 @@ runs = {
     "O2: bf16 + f32 master": ("p=bf16,c=bf16,o=f32", {"master": True}),
     "plain pure bf16": ("bf16", {}),
     "bf16 + Kahan": ("bf16", {"optimizer": lowp("kahan", "bf16")}),
-    "bf16 + stochastic rounding": ("bf16", {"optimizer": lowp("stochastic", "bf16")}),
+    "bf16 + stochastic rounding": (
+        "bf16", {"optimizer": lowp("stochastic", "bf16")}),
 }
 results = {name: examples.train_digits(policy, lr=3e-4, steps=300, **kw)
            for name, (policy, kw) in runs.items()}
@@ -331,10 +345,9 @@ o3 = preset("O3", half="bf16")
 opt = o3.optimizer(optax.adam(3e-4))
 params = {"w": jnp.zeros((4, 3), jnp.bfloat16)}
 state = opt.init(params)
+adam = jmp_lite.struct.find_nodes(state, optax.ScaleByAdamState)[0]
 print(o3.compensation, jax.tree.map(lambda x: x.dtype.name, {
-    "compensation": state.compensation,
-    "mu": jmp_lite.struct.find_nodes(state, optax.ScaleByAdamState)[0].mu,
-    "nu": jmp_lite.struct.find_nodes(state, optax.ScaleByAdamState)[0].nu}))"""),
+    "compensation": state.compensation, "mu": adam.mu, "nu": adam.nu}))"""),
     ],
 }
 

@@ -58,7 +58,8 @@ def test_storage_islands_rules_and_outputs():
   assert_dtype(model.method("features")(x), jnp.float32)  # Root output dtype.
   report = jeqx.dtype_report(model, x)
   rows = {r.path: r for r in report.rows}
-  assert rows["proj"].computed == "bfloat16" and rows["head"].computed == "float32"
+  assert rows["proj"].computed == "bfloat16"
+  assert rows["head"].computed == "float32"
   assert rows["norm"].inputs == "float32" and rows["norm"].outputs == "bfloat16"
   assert not report.mismatches()
 
@@ -81,7 +82,8 @@ def test_transforms_grads_and_vmap():
 
 def test_o2_master_weights_keep_half_params_through_eqx_apply_updates():
   """Point 10: eqx.apply_updates must not turn half params into float32."""
-  model = jeqx.mixed_precision(Encoder(jax.random.key(0)), "p=bf16,c=bf16,o=f32")
+  model = jeqx.mixed_precision(Encoder(jax.random.key(0)),
+                               "p=bf16,c=bf16,o=f32")
   params, static = eqx.partition(model, eqx.is_array)
   opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
       optax.adam(1e-2), jmp_lite.NoOpLossScale()))
@@ -126,7 +128,8 @@ def test_batch_norm_state_passes_through_in_float32():
 def test_enabled_strict_and_bad_inputs():
   off = jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16", enabled=False)
   assert _dots(off, jnp.ones(4)) == {(np.dtype(jnp.float32),) * 2}
-  with pytest.raises(ValueError, match=r"matched no module: \[\"path 'decoder'"):
+  with pytest.raises(ValueError,
+                     match=r"matched no module: \[\"path 'decoder'"):
     jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16",
                          rules=[("decoder", "f32")], strict=True)
   with pytest.raises(TypeError, match=r"expects an equinox.Module instance"):

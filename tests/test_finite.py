@@ -68,8 +68,9 @@ def test_numpy_leaves():
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=FLOAT_DTYPE_IDS)
 def test_select_tree(dtype, variant):
-  a = {"w": jnp.ones(3, dtype), "i": jnp.array(1), "f0": np.zeros((), jax.dtypes.float0)}
-  b = {"w": jnp.zeros(3, dtype), "i": jnp.array(2), "f0": np.zeros((), jax.dtypes.float0)}
+  f0 = np.zeros((), jax.dtypes.float0)
+  a = {"w": jnp.ones(3, dtype), "i": jnp.array(1), "f0": f0}
+  b = {"w": jnp.zeros(3, dtype), "i": jnp.array(2), "f0": f0}
   sel = variant(jmp_lite.select_tree)
   t = sel(jnp.array(True), a, b)
   f = sel(jnp.array(False), a, b)

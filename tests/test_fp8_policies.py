@@ -94,7 +94,8 @@ class NnxMlp(nnx.Module):
     return self.head(nnx.gelu(self.hidden(x + self.attn(x))))
 
 
-@pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])
+@pytest.mark.parametrize("recipe", [CURRENT, DELAYED],
+                         ids=["current", "delayed"])
 def test_nnx_rule_runs_linear_layers_in_fp8(recipe):
   model = jnnx.mixed_precision(
       NnxMlp(nnx.Rngs(0)), "p=f32,c=bf16,o=f32",

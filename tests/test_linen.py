@@ -106,7 +106,8 @@ def test_resnet_dtypes_seen_by_each_module():
 
 
 def _hlo_ops(lowered_text, op):
-  return [l for l in lowered_text.splitlines() if f"stablehlo.{op}" in l]
+  return [line for line in lowered_text.splitlines()
+          if f"stablehlo.{op}" in line]
 
 
 def test_resnet_hlo_runs_convs_in_bf16_and_batchnorm_in_f32():
@@ -115,7 +116,7 @@ def test_resnet_hlo_runs_convs_in_bf16_and_batchnorm_in_f32():
     model = jl.mixed_precision(ResNet(), "p=f32,c=bf16,o=f32",
                                float32_norms=norms)
     variables = model.init(jax.random.key(0), x)
-    text = jax.jit(lambda v, x: model.apply(
+    text = jax.jit(lambda v, x, model=model: model.apply(
         v, x, mutable=["batch_stats"])).lower(variables, x).as_text()
     convs = _hlo_ops(text, "convolution")
     assert len(convs) == 5
@@ -126,7 +127,8 @@ def test_resnet_hlo_runs_convs_in_bf16_and_batchnorm_in_f32():
     # BatchNorm's statistics are reduced in float32 either way (Flax forces
     # float32 reductions); the island decides the dtype its params are read
     # in and its inputs are cast to.
-    reduces = [l for l in _hlo_ops(text, "reduce") if "tensor<4x8x8x8x" in l]
+    reduces = [line for line in _hlo_ops(text, "reduce")
+               if "tensor<4x8x8x8x" in line]
     assert reduces and all("bf16" not in r for r in reduces)
     row = _rows(jl.dtype_report(model, variables, x))["ResBlock_0/BatchNorm_0"]
     expected = "float32" if norms else "bfloat16"
@@ -152,7 +154,8 @@ def test_transformer_islands_attention_and_grads():
 
   def loss(params):
     logits = model.apply({"params": params}, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, tokens).mean()
 
   grads = jax.grad(loss)(variables["params"])
   for g in jax.tree.leaves(grads):
@@ -232,7 +235,8 @@ def test_path_and_class_rules_first_match_and_inheritance():
   variables = model.init(jax.random.key(0), tokens)
   pol = model.policy_for(variables, tokens)
   assert pol["logits"] == "p=f32,c=f32,o=f32"
-  assert pol["Block_0/MultiHeadDotProductAttention_0/key"] == "p=f32,c=f16,o=f16"
+  attention_key = "Block_0/MultiHeadDotProductAttention_0/key"
+  assert pol[attention_key] == "p=f32,c=f16,o=f16"
   assert pol["Block_0/Dense_0"] == "p=f32,c=f16,o=f16"
   assert pol["Block_0"] == "p=f32,c=bf16,o=f32"
   rows = _rows(jl.dtype_report(model, variables, tokens))
@@ -429,7 +433,7 @@ class SharedAndScanned(nn.Module):
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_dtype_report_reads_the_computation(frozen):
-  """Point 2: computed dtypes from the jaxpr, mismatches flagged, no double count."""
+  """Point 2: dtypes from the jaxpr, mismatches flagged, no double count."""
   from flax.core import freeze
 
   class ScanBody(nn.Module):
@@ -549,7 +553,8 @@ def test_wrapped_model_nests_as_a_submodule():
     variables = outer.init(jax.random.key(0), x)
     for leaf in jax.tree.leaves(variables):
       assert_dtype(leaf, jnp.float32)
-    ops = _dot_conv_dtypes(lambda v: outer.apply(v, x), variables)
+    ops = _dot_conv_dtypes(lambda v, outer=outer: outer.apply(v, x),
+                           variables)
     bf16 = np.dtype(jnp.bfloat16)
     assert (bf16, bf16) in ops  # The CNN's conv and dense.
     assert_dtype(outer.apply(variables, x), jnp.float32)
@@ -583,8 +588,9 @@ def test_method_and_memoised_discovery():
   for method in ("encode", Model.encode):
     out = model.apply(variables, x, method=method)
     assert_dtype(out, jnp.float32)
-    assert _dot_conv_dtypes(lambda v: model.apply(v, x, method=method),
-                            variables) == {(np.dtype(jnp.bfloat16),) * 2}
+    assert _dot_conv_dtypes(
+        lambda v, method=method: model.apply(v, x, method=method),
+        variables) == {(np.dtype(jnp.bfloat16),) * 2}
   before = len(model.memo.classes)
   for _ in range(3):
     model.apply(variables, x)

@@ -65,7 +65,8 @@ def test_adjust_matches_reference_schedule(finite_seq, period, factor, backoff,
       backoff=1 / factor if backoff is None else backoff, lo=lo, hi=hi,
       hysteresis=hysteresis)
   adjust = jax.jit(lambda s, f: s.adjust(f))
-  for finite, (e_scale, e_counter, e_nonfinite) in zip(finite_seq, expected):
+  for finite, (e_scale, e_counter, e_nonfinite) in zip(
+      finite_seq, expected, strict=True):
     state = adjust(state, jnp.array(finite))
     assert float(state.loss_scale) == e_scale
     assert int(state.counter) == e_counter
@@ -262,26 +263,35 @@ def test_construction_inside_jit_with_traced_scale():
     (dict(factor=0.5), ValueError, r"factor must be > 1"),
     (dict(factor=jnp.float32(2)), TypeError, r"factor must be a Python number"),
     (dict(factor=float("inf")), ValueError, r"factor must be finite"),
-    (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0, 1\)"),
-    (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0, 1\)"),
+    (dict(backoff_factor=1.0), ValueError,
+     r"backoff_factor must be in \(0, 1\)"),
+    (dict(backoff_factor=0.0), ValueError,
+     r"backoff_factor must be in \(0, 1\)"),
     (dict(backoff_factor=-0.5), ValueError, r"backoff_factor must be in"),
     (dict(period=0), ValueError, r"period must be >= 1, got 0"),
     (dict(period=2.5), TypeError, r"period must be a Python int"),
     (dict(hysteresis=0), ValueError, r"hysteresis must be >= 1"),
     (dict(min_loss_scale=4.0, max_loss_scale=2.0), ValueError,
      r"min_loss_scale \(4.0\) must not exceed max_loss_scale \(2.0\)"),
-    (dict(loss_scale=-1.0), ValueError, r"loss_scale must be positive and finite, got -1.0"),
+    (dict(loss_scale=-1.0), ValueError,
+     r"loss_scale must be positive and finite, got -1.0"),
     (dict(loss_scale=0.0), ValueError, r"loss_scale must be positive"),
-    (dict(loss_scale=float("nan")), ValueError, r"loss_scale must be positive and finite"),
-    (dict(loss_scale=float("inf")), ValueError, r"loss_scale must be positive and finite"),
-    (dict(loss_scale=jnp.ones(2)), ValueError, r"loss_scale must be a scalar, got shape \(2,\)"),
+    (dict(loss_scale=float("nan")), ValueError,
+     r"loss_scale must be positive and finite"),
+    (dict(loss_scale=float("inf")), ValueError,
+     r"loss_scale must be positive and finite"),
+    (dict(loss_scale=jnp.ones(2)), ValueError,
+     r"loss_scale must be a scalar, got shape \(2,\)"),
     (dict(loss_scale="big"), TypeError, r"loss_scale must be a scalar number"),
-    (dict(loss_scale=True), TypeError, r"loss_scale must be a number, got bool"),
+    (dict(loss_scale=True), TypeError,
+     r"loss_scale must be a number, got bool"),
     (dict(min_loss_scale=0.0), ValueError, r"min_loss_scale must be positive"),
-    (dict(max_loss_scale=float("inf")), ValueError, r"max_loss_scale must be positive and finite"),
+    (dict(max_loss_scale=float("inf")), ValueError,
+     r"max_loss_scale must be positive and finite"),
     (dict(loss_scale=2.0**30), ValueError, r"above max_loss_scale"),
     (dict(loss_scale=0.5), ValueError, r"below min_loss_scale"),
-    (dict(counter=5, period=5), ValueError, r"counter must be in \[0, period=5\)"),
+    (dict(counter=5, period=5), ValueError,
+     r"counter must be in \[0, period=5\)"),
     (dict(nonfinite_counter=1), ValueError, r"nonfinite_counter must be in"),
 ])
 def test_dynamic_bad_configuration(kwargs, err, match):

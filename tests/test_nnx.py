@@ -67,8 +67,9 @@ def test_hlo_dtypes_batch_stats_and_grads():
     return nnx.merge(graphdef, state)(x)
 
   text = jax.jit(f).lower(state, x).as_text()
-  convs = [l for l in text.splitlines() if "stablehlo.convolution" in l]
-  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  lines = text.splitlines()
+  convs = [line for line in lines if "stablehlo.convolution" in line]
+  dots = [line for line in lines if "stablehlo.dot_general" in line]
   assert len(convs) == 1 and len(dots) == 3
   for op in convs + dots:
     assert re.search(r"\(tensor<[^>]*bf16>, tensor<[^>]*bf16>\)", op), op
@@ -79,8 +80,7 @@ def test_hlo_dtypes_batch_stats_and_grads():
     return model(x).sum()
 
   grads = nnx.grad(loss)(half, x)
-  for path, g in jax.tree_util.tree_flatten_with_path(
-      nnx.state(grads, nnx.Param))[0]:
+  for g in jax.tree.leaves(nnx.state(grads, nnx.Param)):
     assert_dtype(g, jnp.float32)
   # A jitted nnx step works too, and keeps the stored dtypes.
   step = nnx.jit(lambda m, x: m(x))
@@ -100,7 +100,8 @@ def test_rules_enabled_and_strict():
   for leaf in jax.tree.leaves(nnx.state(off)):
     if jnp.issubdtype(leaf.dtype, jnp.floating):
       assert_dtype(leaf, jnp.float32)
-  with pytest.raises(ValueError, match=r"matched no module: \[\"path 'decoder'"):
+  with pytest.raises(ValueError,
+                     match=r"matched no module: \[\"path 'decoder'"):
     jnnx.mixed_precision(model, "bf16", rules=[("decoder", "f32")], strict=True)
   with pytest.raises(TypeError, match="expects a flax.nnx.Module"):
     jnnx.mixed_precision(lambda x: x, "bf16")

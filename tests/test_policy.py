@@ -24,7 +24,8 @@ def test_casts_floating_jax_leaves(src, dst, method, variant):
   cast = variant(getattr(policy, f"cast_to_{method}"))
   tree = {"a": jnp.arange(4, dtype=src) / 3, "b": [jnp.ones((2, 2), src)]}
   out = cast(tree)
-  for leaf, ref in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+  for leaf, ref in zip(jax.tree.leaves(out), jax.tree.leaves(tree),
+                       strict=True):
     assert isinstance(leaf, jax.Array)
     assert_dtype(leaf, dst)
     np.testing.assert_array_equal(
@@ -199,7 +200,7 @@ def test_casting_rules_property(leaves, target):
   tree = [makers[k]() for k in leaves]
   policy = jmp_lite.get_policy(target)
   out = policy.cast_to_compute(tree)
-  for kind, before, after in zip(leaves, tree, out):
+  for kind, before, after in zip(leaves, tree, out, strict=True):
     if kind in ("f32", "bf16", "f16", "f64np"):
       assert type(after) is type(before)
       assert_dtype(after, policy.compute_dtype)

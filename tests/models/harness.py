@@ -1,4 +1,4 @@
-"""One check for every model and setting: dtypes in the jaxpr, training, donation.
+"""One check for every model and setting: jaxpr dtypes, training, donation.
 
 A model enters as a :class:`Case`: its trainable params, the rest of its
 state, and a loss as a plain function of pytrees. :func:`check` then, for a
@@ -141,7 +141,7 @@ def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
   for what, fn in (("loss", loss_only), ("grad", grad_fn)):
     found = matmul_dtypes(jax.make_jaxpr(fn)(case.params))
     assert len(found) >= matmuls, (what, found)
-    def allowed(prim: str, dtypes: tuple, stack: str) -> bool:
+    def allowed(prim: str, dtypes: tuple, stack: str, what: str = what) -> bool:
       if set(dtypes) == {setting.compute}:
         return True
       return (what == "grad" and set(dtypes) == {setting.compute, F32}

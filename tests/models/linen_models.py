@@ -80,7 +80,10 @@ class MlpBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-LN self-attention + MLP; a ``nn.scan`` body: (carry, ...) -> (carry, None)."""
+  """Pre-LN self-attention + MLP.
+
+  A ``nn.scan`` body: (carry, ...) -> (carry, None).
+  """
 
   num_heads: int
   mlp_dim: int
