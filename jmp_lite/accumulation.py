@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite import struct
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 
 
@@ -140,4 +140,4 @@ def accumulate_gradients(
         poisoned=poisoned & ~emit,
         inner_state=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)

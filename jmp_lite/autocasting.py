@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,8 +79,8 @@ def nonfinite_counts(tree: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
-    >>> counts = jmp_lite.nonfinite_counts({"a": jnp.array([1., jnp.inf, jnp.nan]),
-    ...                                     "b": jnp.ones(2)})
+    >>> counts = jmp_lite.nonfinite_counts(
+    ...     {"a": jnp.array([1., jnp.inf, jnp.nan]), "b": jnp.ones(2)})
     >>> int(counts["a"]), int(counts["b"])
     (2, 0)
   """
@@ -235,9 +236,9 @@ def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
                    within: tuple[str, ...]) -> list[Any]:
   env: dict[Any, Any] = {}
   read = lambda a: a.val if _jaxpr.is_literal(a) else env[a]
-  for var, value in zip(jaxpr.constvars, consts):
+  for var, value in zip(jaxpr.constvars, consts, strict=True):
     env[var] = value
-  for var, value in zip(jaxpr.invars, args):
+  for var, value in zip(jaxpr.invars, args, strict=True):
     env[var] = value
   for eqn in jaxpr.eqns:
     invals = [read(a) for a in eqn.invars]
@@ -263,7 +264,7 @@ def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             dtype=floats[0] if floats else "-",
             input_ranges=_ranges(invals), output_nonfinite=bad,
             within=within))
-    for var, value in zip(eqn.outvars, outs):
+    for var, value in zip(eqn.outvars, outs, strict=True):
       env[var] = value
   return [read(v) for v in jaxpr.outvars]
 

@@ -171,7 +171,7 @@ def to_floating_dtype(value: Any, what: str) -> np.dtype:
 def _is_extended(dtype: Any) -> bool:
   # Typed PRNG keys (``key<fry>``) and other extended dtypes: numpy cannot
   # even interpret them, and they are never numbers to cast or check.
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return jnp.issubdtype(dtype, jax.dtypes.extended)
 
 
 def _is_floating(dtype: Any) -> bool:
@@ -245,7 +245,8 @@ def is_floating_array(x: Any) -> bool:
 
   Example:
     >>> import numpy as np, jmp_lite
-    >>> jmp_lite.dtypes.is_floating_array(np.ones(2)), jmp_lite.dtypes.is_floating_array(1.0)
+    >>> is_float = jmp_lite.dtypes.is_floating_array
+    >>> is_float(np.ones(2)), is_float(1.0)
     (True, False)
   """
   if not isinstance(x, (jax.Array, np.ndarray, np.generic)):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -169,7 +169,9 @@ class _Boundary(eqx.Module):
   slot: _Slot = eqx.field(static=True)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return _boundary_call(self.slot, self.inner, args, kwargs,
+    # A layer: only callable modules get a boundary (see _is_layer).
+    layer = cast(Callable[..., Any], self.inner)
+    return _boundary_call(self.slot, layer, args, kwargs,
                           _own_arrays(self.inner))
 
   def __getattr__(self, name: str) -> Any:

@@ -201,9 +201,9 @@ def load_digits_split(seed: int = 0):
     ``(x_train, y_train, x_test, y_test)`` as numpy arrays.
   """
   from sklearn.datasets import load_digits
-  data = load_digits()
-  x = (data.data / 16.0).astype(np.float32)
-  y = data.target.astype(np.int32)
+  features, labels = load_digits(return_X_y=True)
+  x = (features / 16.0).astype(np.float32)
+  y = labels.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(x))
   x, y = x[order], y[order]
   cut = int(0.8 * len(x))
@@ -255,7 +255,8 @@ def train_digits(policy: Any, loss_scale: Any = None, *, steps: int = 400,
     return optax.softmax_cross_entropy_with_integer_labels(logits, b[1]).mean()
 
   rng = np.random.default_rng(seed + 1)
-  order = [rng.permutation(len(x_tr)) for _ in range(steps * batch // len(x_tr) + 2)]
+  epochs = steps * batch // len(x_tr) + 2
+  order = [rng.permutation(len(x_tr)) for _ in range(epochs)]
   flat = np.concatenate(order)
 
   def batches(i):

@@ -87,7 +87,7 @@ def check_scalar_bool(x: Any, what: str) -> jax.Array:
   return jnp.asarray(x)
 
 
-def skip_updates(apply: jax.Array, updates: T) -> T:
+def skip_updates(apply: jax.typing.ArrayLike, updates: T) -> T:
   """``updates`` where ``apply`` is true, else ``-0.0`` in every inexact leaf.
 
   ``-0.0``, not ``+0.0``: ``x + (-0.0) == x`` bit for bit for every ``x``,

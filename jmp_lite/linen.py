@@ -59,7 +59,10 @@ from jmp_lite.rules import FLOAT32, Rule
 
 NORM_LAYERS: tuple[type, ...] = (nn.LayerNorm, nn.BatchNorm, nn.RMSNorm,
                                  nn.GroupNorm, nn.InstanceNorm)
-"""The layers kept in float32 by default (Paddle O2, Apex keep_batchnorm_fp32)."""
+"""The layers kept in float32 by default.
+
+As Paddle's O2 and Apex's ``keep_batchnorm_fp32`` do.
+"""
 
 Path = tuple[str, ...]
 
@@ -73,7 +76,8 @@ def _is_flax_layer(module: nn.Module) -> bool:
   fields = getattr(type(module), "__dataclass_fields__", {})
   if "dtype" not in fields:
     return False
-  return any(c.__module__.startswith("flax.linen.") for c in type(module).__mro__
+  return any(c.__module__.startswith("flax.linen.")
+             for c in type(module).__mro__
              if c is not nn.Module and issubclass(c, nn.Module))
 
 
@@ -290,7 +294,7 @@ class _Memo:
 
 
 def _aval_key(tree: Any) -> Any:
-  """A hashable key of ``tree``'s structure, shapes, dtypes and static leaves."""
+  """A hashable key of ``tree``'s structure, shapes, dtypes, static leaves."""
   leaves, treedef = jax.tree.flatten(tree)
   key = []
   for x in leaves:
@@ -319,7 +323,9 @@ def _call_method(method: Any) -> Callable[..., Any]:
 
 
 class MixedPrecision(nn.Module):
-  """A ``flax.linen`` module under a precision policy; see :func:`mixed_precision`.
+  """A ``flax.linen`` module under a precision policy.
+
+  Built by :func:`mixed_precision`.
 
   Use it like the module it wraps: ``init``/``apply`` take the same arguments
   (``method=``, ``rngs=``, ``mutable=``), or call it inside another module's
@@ -573,7 +579,8 @@ def mixed_precision(
     >>> class MLP(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, x):  # dtype=float32 is overridden by the policy.
-    ...     return nn.Dense(2)(nn.LayerNorm()(nn.Dense(4, dtype=jnp.float32)(x)))
+    ...     x = nn.Dense(4, dtype=jnp.float32)(x)
+    ...     return nn.Dense(2)(nn.LayerNorm()(x))
     >>> model = jmp_lite.linen.mixed_precision(MLP(), "p=f32,c=bf16,o=f32")
     >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> model.apply(variables, jnp.ones((1, 3))).dtype
@@ -679,7 +686,8 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2, dtype=jnp.float32), "c=bf16")
+    >>> model = jmp_lite.linen.mixed_precision(
+    ...     nn.Dense(2, dtype=jnp.float32), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> row = jmp_lite.linen.dtype_report(model, v, jnp.ones((1, 3))).rows[0]
     >>> (row.stored, row.read, row.computed, row.outputs)

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite import struct
 from jmp_lite.accumulation import AccumulateState
 from jmp_lite.path_rules import path_string
 from jmp_lite.transforms import LossScaledState, SkipNonfiniteState
@@ -381,7 +381,7 @@ def kahan_summation(
     return new_updates, KahanState(compensation=compensation,
                                    inner_state=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)
 
 
 # ------------------------------------------------------- stochastic_rounding
@@ -478,7 +478,7 @@ def stochastic_rounding(
     return new_updates, StochasticRoundingState(
         seed=state.seed, count=count, inner_state=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)
 
 
 # --------------------------------------------------------------- state_dtypes
@@ -622,15 +622,18 @@ def state_dtypes(
         _upcast(params), **extra)
     new_leaves = treedef.flatten_up_to(new_inner)
     seed_, count = state.seed, state.count
+    # (key, leaf specs) with stochastic rounding, else None.
+    rounding: tuple[jax.Array, list[Any]] | None = None
     if stochastic:
-      key = _step_key(seed_, count)
-      leaf_specs = _leaf_specs(specs, state.inner_state, "optimizer state")
+      rounding = (_step_key(seed_, count),
+                  _leaf_specs(specs, state.inner_state, "optimizer state"))
 
     def back(i: int, old: Any, new: Any) -> Any:
       if not _dtypes.is_floating_array(old) or new.dtype == old.dtype:
         return new
-      if stochastic and np.dtype(new.dtype).itemsize > np.dtype(
+      if rounding is not None and np.dtype(new.dtype).itemsize > np.dtype(
           old.dtype).itemsize:
+        key, leaf_specs = rounding
         bits = _random_bits(key, i, old.shape, leaf_specs[i])
         return _round_stochastic(new, old.dtype, bits)
       return new.astype(old.dtype)
@@ -642,4 +645,4 @@ def state_dtypes(
     return new_updates, StateDtypesState(
         inner_state=treedef.unflatten(rounded), seed=seed_, count=count)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)

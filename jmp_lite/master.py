@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite import struct
 from jmp_lite.finite import copy_arrays
 
 
@@ -163,7 +163,7 @@ def master_weights(
     return param_updates, MasterWeightsState(
         master=new_master, inner_state=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)
 
 
 def master_params(opt_state: Any) -> Any:

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 from flax import nnx
@@ -190,8 +190,8 @@ def _policy_class(cls: type) -> type:
 
     return method
 
-  namespace = {name: wrap(name, fn)
-               for name, fn in _public_methods(cls).items()}
+  namespace: dict[str, Any] = {
+      name: wrap(name, fn) for name, fn in _public_methods(cls).items()}
   namespace["__module__"] = cls.__module__
   kwds = {}
   if hasattr(cls, "_pytree__is_pytree"):
@@ -334,9 +334,10 @@ def _write_back(self: MixedPrecision, tmp: nnx.Module, given: dict,
     old = stored.get(path)
     if old is not None:
       old_value = old.get_value()
-      if (_dtypes.is_floating_array(value) and _dtypes.is_floating_array(old_value)
+      if (_dtypes.is_floating_array(value)
+          and _dtypes.is_floating_array(old_value)
           and value.dtype != old_value.dtype):
-        var = jax.tree.map(lambda x: x.astype(old_value.dtype), var)
+        var = jax.tree.map(lambda x, d=old_value.dtype: x.astype(d), var)
     changed.append((path, var))
   if changed:
     nnx.update(self, nnx.from_flat_state(changed))
@@ -442,8 +443,10 @@ def _install_fp8(modules: dict[Path, nnx.Module],
   from jmp_lite.fp8 import nnx as fp8_nnx  # On demand: FP8 rules only.
   for path, module in ruled:
     dot = fp8_nnx.dot_general_for(resolved[path].fp8)
+    # A Flax linear layer, which has a dot_general attribute (checked above).
+    layer = cast(Any, module)
     # A module (delayed scaling's state) must become a data attribute.
-    module.dot_general = nnx.data(dot) if isinstance(dot, nnx.Module) else dot
+    layer.dot_general = nnx.data(dot) if isinstance(dot, nnx.Module) else dot
 
 
 def dtype_report(model: MixedPrecision, *args: Any, method: str = "__call__",
@@ -493,7 +496,7 @@ def dtype_report(model: MixedPrecision, *args: Any, method: str = "__call__",
 
   jaxpr = jax.make_jaxpr(f)(*arrays)
   modules = _modules(model)
-  stored: dict[Path, dict[str, Any]] = {}
+  stored: dict[Path, dict[Any, Any]] = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     stored.setdefault(_owner(_path(path), modules), {})[path[-1]] = \
         var.get_value()

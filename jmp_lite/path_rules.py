@@ -112,5 +112,6 @@ def _policy(policy: Any) -> Policy:
   if isinstance(policy, str):
     policy = get_policy(policy)
   if not isinstance(policy, Policy):
-    raise TypeError(f"Expected a jmp_lite.Policy or policy string, got {policy!r}")
+    raise TypeError(
+        f"Expected a jmp_lite.Policy or policy string, got {policy!r}")
   return policy

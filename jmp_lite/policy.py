@@ -153,7 +153,9 @@ class Policy:
     return dataclasses.replace(self, output_dtype=output_dtype)
 
   def __str__(self) -> str:
-    return f"p={_dtypes.canonical_name(self.param_dtype)},c={_dtypes.canonical_name(self.compute_dtype)},o={_dtypes.canonical_name(self.output_dtype)}"
+    name = _dtypes.canonical_name
+    return (f"p={name(self.param_dtype)},c={name(self.compute_dtype)},"
+            f"o={name(self.output_dtype)}")
 
 
 def get_policy(policy_name: str) -> Policy:
@@ -223,7 +225,8 @@ def get_policy(policy_name: str) -> Policy:
     try:
       given[field_name] = _dtypes.parse_dtype(value)
     except ValueError as e:
-      raise ValueError(f"In part {part.strip()!r} of {policy_name!r}: {e}") from None
+      raise ValueError(
+          f"In part {part.strip()!r} of {policy_name!r}: {e}") from None
 
   param = given.get("param_dtype", np.dtype(jnp.float32))
   compute = given.get("compute_dtype", param)

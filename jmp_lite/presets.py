@@ -1,11 +1,43 @@
-"""Named presets O0–O3, mapped to what Apex, PaddlePaddle and PyTorch users know.
+"""Named presets O0–O3, mapped to what Apex, Paddle and PyTorch users know.
 
-| preset | params | compute | optimizer | Apex | Paddle | PyTorch |
-| --- | --- | --- | --- | --- | --- | --- |
-| ``O0`` | float32 | float32 | plain | O0 | (AMP off) | no autocast |
-| ``O1`` | float32 | half for Dense/Conv/Einsum/attention layers, float32 elsewhere | loss scaling if float16 | O1 | O1 | ``autocast`` (per layer; per op is ``jmp_lite.autocast``) |
-| ``O2`` | half (norms float32) | half (norms float32) | float32 master weights + loss scaling if float16 | O2 | O2 | ``model.half()`` + master weights |
-| ``O3`` | half | half | half params + Kahan compensation, half moments computed in float32 | O3 | pure fp16 | ``model.half()`` |
+.. list-table::
+   :header-rows: 1
+
+   * - preset
+     - params
+     - compute
+     - optimizer
+     - Apex
+     - Paddle
+     - PyTorch
+   * - ``O0``
+     - float32
+     - float32
+     - plain
+     - O0
+     - (AMP off)
+     - no autocast
+   * - ``O1``
+     - float32
+     - half for Dense/Conv/Einsum/attention layers, float32 elsewhere
+     - loss scaling if float16
+     - O1
+     - O1
+     - ``autocast`` (per layer; per op is ``jmp_lite.autocast``)
+   * - ``O2``
+     - half (norms float32)
+     - half (norms float32)
+     - float32 master weights + loss scaling if float16
+     - O2
+     - O2
+     - ``model.half()`` + master weights
+   * - ``O3``
+     - half
+     - half
+     - half params + Kahan compensation, half moments computed in float32
+     - O3
+     - pure fp16
+     - ``model.half()``
 
 Bytes per parameter of params + optimizer state with Adam: ``O0``/``O1`` 12
 (4 + 8), ``O2`` 14 (2 + 4 master + 8), ``O3`` 8 (2 + 2 compensation + 2 + 2

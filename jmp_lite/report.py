@@ -113,8 +113,9 @@ class DtypeReport:
 
   def _cells(self) -> list[tuple[str, ...]]:
     return [(r.path or "<root>", r.cls, r.policy, str(r.calls), r.stored,
-             r.read, r.inputs, r.outputs, r.computed + (" (!)" if r.note else ""),
-             f"{r.param_bytes:,}") for r in self.rows]
+             r.read, r.inputs, r.outputs,
+             r.computed + (" (!)" if r.note else ""), f"{r.param_bytes:,}")
+            for r in self.rows]
 
   def __str__(self) -> str:
     cells = self._cells()
@@ -122,7 +123,8 @@ class DtypeReport:
               for i, h in enumerate(self._HEADER)]
 
     def fmt(row: tuple[str, ...]) -> str:
-      return "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+      return "  ".join(v.ljust(w)
+                       for v, w in zip(row, widths, strict=True)).rstrip()
 
     lines = [fmt(self._HEADER), fmt(tuple("-" * w for w in widths))]
     lines += [fmt(c) for c in cells]

@@ -117,7 +117,8 @@ class Rule:
       if bad or not m:
         raise TypeError(
             "A rule's matcher must be a module class, a tuple of module"
-            f" classes, or a path pattern (str or re.Pattern); got {bad or m!r}")
+            " classes, or a path pattern (str or re.Pattern); got"
+            f" {bad or m!r}")
     elif not isinstance(m, re.Pattern):
       raise TypeError(
           "A rule's matcher must be a module class, a tuple of module classes,"
@@ -188,7 +189,8 @@ def to_rules(rules: Iterable[Any], bases: tuple[type, ...],
 
   Example:
     >>> import flax.linen as nn, jmp_lite.rules
-    >>> rules = jmp_lite.rules.to_rules([(nn.Dense, "bf16")], (nn.Module,), "linen")
+    >>> rules = jmp_lite.rules.to_rules(
+    ...     [(nn.Dense, "bf16")], (nn.Module,), "linen")
     >>> rules[0].describe()
     'class Dense -> p=bf16,c=bf16,o=bf16'
   """
@@ -360,7 +362,8 @@ def rule_set(policy: Any, rules: Sequence[Any], bases: tuple[type, ...],
 
   Example:
     >>> import flax.linen as nn, jmp_lite.rules
-    >>> rs = jmp_lite.rules.rule_set("bf16", [("head", "f32")], (nn.Module,), "linen")
+    >>> rs = jmp_lite.rules.rule_set(
+    ...     "bf16", [("head", "f32")], (nn.Module,), "linen")
     >>> [r.describe() for r in rs.rules]
     ["path 'head' -> p=f32,c=f32,o=f32"]
   """
@@ -427,8 +430,8 @@ def cast_outputs(out: Any, dtype: Any, args: Sequence[Any],
     >>> import jax.numpy as jnp, jmp_lite.rules
     >>> carry, x = jnp.zeros(2), jnp.ones(3)
     >>> new_carry, y = jmp_lite.rules.cast_outputs(
-    ...     (jnp.ones(2, jnp.bfloat16), jnp.ones(3, jnp.bfloat16)), jnp.bfloat16,
-    ...     (carry, x))
+    ...     (jnp.ones(2, jnp.bfloat16), jnp.ones(3, jnp.bfloat16)),
+    ...     jnp.bfloat16, (carry, x))
     >>> new_carry.dtype, y.dtype
     (dtype('float32'), dtype(bfloat16))
   """
@@ -450,4 +453,4 @@ def _same_shapes(a: Any, b: Any) -> bool:
   if ta != tb or not la:
     return False
   return all(_dtypes.is_floating_array(x) and _dtypes.is_floating_array(y)
-             and x.shape == y.shape for x, y in zip(la, lb))
+             and x.shape == y.shape for x, y in zip(la, lb, strict=True))

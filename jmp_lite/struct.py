@@ -164,7 +164,7 @@ def replace(obj: Any, **changes: Any) -> Any:
   return new
 
 
-def find_nodes(tree: Any, kind: type) -> list[Any]:
+def find_nodes(tree: Any, kind: type | tuple[type, ...]) -> list[Any]:
   """Every node of type ``kind`` in ``tree``, in flattening order.
 
   Finds states inside ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``
@@ -172,7 +172,7 @@ def find_nodes(tree: Any, kind: type) -> list[Any]:
 
   Args:
     tree: any pytree (an optimizer state, say).
-    kind: the node class to look for.
+    kind: the node class (or a tuple of classes) to look for.
 
   Returns:
     The matching nodes.

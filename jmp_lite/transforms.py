@@ -33,12 +33,13 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite import struct
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -449,19 +450,20 @@ def skip_nonfinite(
              params: Any = None,
              **extra: Any) -> tuple[Any, SkipNonfiniteState | Decided]:
     decision = state if isinstance(state, Decided) else None
+    own: SkipNonfiniteState = (state.state if isinstance(state, Decided)
+                               else state)
     if decision is not None:
-      state = decision.state
       finite = decision.finite
       new_updates, new_inner, apply = _decided_update(
-          inner, updates, state.inner_state, params, decision, extra)
+          inner, updates, own.inner_state, params, decision, extra)
     else:
       finite = reduce_finite(all_finite(updates), axis_name)
-      apply = finite & ~jnp.asarray(state.halted, jnp.bool_)
+      apply = finite & ~jnp.asarray(own.halted, jnp.bool_)
       new_updates, new_inner, _ = _guarded_update(
-          inner, updates, state.inner_state, params, apply, extra,
+          inner, updates, own.inner_state, params, apply, extra,
           branch=config.formulation()[0] == "cond")
-    halted = jnp.asarray(state.halted, jnp.bool_)
-    counts = _count(apply, state.total_skips, state.consecutive_skips)
+    halted = jnp.asarray(own.halted, jnp.bool_)
+    counts = _count(apply, own.total_skips, own.consecutive_skips)
     if max_consecutive_skips is not None:
       halted = halted | (counts.consecutive_skips >= max_consecutive_skips)
     new_state = SkipNonfiniteState(
@@ -476,7 +478,7 @@ def skip_nonfinite(
       return new_updates, struct.replace(decision, state=new_state)
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)
 
 
 def default_loss_scale(policy: Policy | str) -> LossScale:
@@ -638,13 +640,13 @@ def loss_scaled(
   def update(grads: Any, state: LossScaledState | Decided, params: Any = None,
              **extra: Any) -> tuple[Any, LossScaledState | Decided]:
     decision = state if isinstance(state, Decided) else None
-    if decision is not None:
-      state = decision.state
-    scale = state.loss_scale
+    own: LossScaledState = (state.state if isinstance(state, Decided)
+                            else state)
+    scale = own.loss_scale
     if decision is not None:
       # Decided by update_and_apply from these very gradients.
       new_updates, new_inner, apply = _decided_update(
-          inner, grads, state.inner_state, params, decision, extra,
+          inner, grads, own.inner_state, params, decision, extra,
           prepare=scale.unscale)
       finite = apply
       counted = grads
@@ -654,7 +656,7 @@ def loss_scaled(
       # Unscaling by 1/scale <= 1 cannot overflow (may_amplify is false).
       finite = reduce_finite(all_finite(grads), axis_name)
       new_updates, new_inner, apply = _guarded_update(
-          inner, grads, state.inner_state, params, finite, extra,
+          inner, grads, own.inner_state, params, finite, extra,
           prepare=scale.unscale, branch=True)
       counted = grads
     else:
@@ -666,10 +668,10 @@ def loss_scaled(
         finite = finite & all_finite(grads)
       finite = reduce_finite(finite, axis_name)
       new_updates, new_inner, apply = _guarded_update(
-          inner, grads, state.inner_state, params, finite, extra,
+          inner, grads, own.inner_state, params, finite, extra,
           check_updates=check_updates, axis_name=axis_name)
       counted = grads
-    counts = _count(apply, state.total_skips, state.consecutive_skips)
+    counts = _count(apply, own.total_skips, own.consecutive_skips)
     new_state = LossScaledState(
         inner_state=new_inner,
         # The scale answers to the gradients only: an update that overflows
@@ -678,7 +680,7 @@ def loss_scaled(
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
         last_finite=apply,
-        name=state.name,
+        name=own.name,
         nonfinite=_tracked_after(decision, counted),
         config=config,
     )
@@ -694,7 +696,7 @@ def loss_scaled(
           if _dtypes.is_inexact_array(x) else None, grads)
     return tracked(grads)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return _optax.transformation(init, update)
 
 
 def _may_amplify(loss_scale: LossScale) -> bool:

@@ -95,7 +95,7 @@ def _out_sharding(like: jax.Array, order: Sequence[int]) -> Any:
   """
   sharding = getattr(jax.typeof(like), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True):
+  if sharding is None or mesh is None or getattr(mesh, "empty", True):
     # An unsharded operand: replicated over the mesh in context, if any.
     context = jax.sharding.get_abstract_mesh()
     if getattr(context, "empty", True):
@@ -304,12 +304,15 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
     (dtype(bfloat16), 1.5)
   """
   recipe = check_recipe(recipe)
-  delayed = isinstance(recipe, DelayedScaling)
-  if delayed and not isinstance(state, ScalingState):
-    raise TypeError(
-        "DelayedScaling needs the matmul's state: fp8.dot_general(recipe,"
-        f" state) with state = recipe.init(), got {state!r}")
-  if not delayed and state is not None:
+  # Delayed scaling's recipe and state, checked once for the closure below.
+  scaling: tuple[DelayedScaling, ScalingState] | None = None
+  if isinstance(recipe, DelayedScaling):
+    if not isinstance(state, ScalingState):
+      raise TypeError(
+          "DelayedScaling needs the matmul's state: fp8.dot_general(recipe,"
+          f" state) with state = recipe.init(), got {state!r}")
+    scaling = (recipe, state)
+  elif state is not None:
     raise TypeError("CurrentScaling is stateless; pass no state (got"
                     f" {type(state).__name__})")
 
@@ -326,12 +329,14 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
     st = _Static(dims=_normalize_dims(dimension_numbers),
                  fwd_dtype=recipe.fwd_dtype, bwd_dtype=recipe.bwd_dtype,
-                 margin=recipe.margin, delayed=delayed, out_dtype=out_dtype,
+                 margin=recipe.margin, delayed=scaling is not None,
+                 out_dtype=out_dtype,
                  lhs_dtype=np.dtype(lhs.dtype), rhs_dtype=np.dtype(rhs.dtype),
                  out_sharding=out_sharding)
-    if delayed:
-      delayed_amax = recipe.amax(state)
-      probe = jnp.asarray(state.pending, _F32)
+    if scaling is not None:
+      delayed_recipe, delayed_state = scaling
+      delayed_amax = delayed_recipe.amax(delayed_state)
+      probe = jnp.asarray(delayed_state.pending, _F32)
     else:
       # jnp, not numpy: traced into a jaxpr, zeros are an equation rather
       # than a captured constant.

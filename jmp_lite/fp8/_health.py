@@ -97,9 +97,9 @@ def quantization_health(tree: Any, dtype: Any = jnp.float8_e4m3fn, *,
             (jnp.sum(nonzero & ~cast_zero & (scaled < tiny)) / count
              ).astype(_F32))
 
-  one_for_all = amax is None or (
-      isinstance(amax, (numbers.Real, np.ndarray, np.generic, jax.Array))
-      and np.ndim(amax) == 0)
+  one_for_all = amax is None or isinstance(amax, numbers.Real) or (
+      isinstance(amax, (np.ndarray, np.generic, jax.Array))
+      and amax.ndim == 0)
   if one_for_all:
     stats = jax.tree.map(lambda x: leaf(x, amax), tree)
   else:

@@ -29,7 +29,7 @@ def _fp8_dtype(value: Any, what: str) -> np.dtype:
     dtype = np.dtype(jnp.dtype(value))
   except TypeError:
     dtype = None
-  if dtype not in FP8_DTYPES:
+  if dtype is None or dtype not in FP8_DTYPES:
     names = ", ".join(d.name for d in FP8_DTYPES)
     raise TypeError(f"{what} must be one of the FP8 dtypes ({names}), got"
                     f" {value!r}")
