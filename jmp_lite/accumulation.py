@@ -21,6 +21,8 @@ from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 
+__all__ = ["AccumulateState", "accumulate_gradients"]
+
 
 @struct.dataclass
 class AccumulateState:

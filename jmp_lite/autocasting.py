@@ -60,6 +60,10 @@ from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.policy import Policy
 
+__all__ = ["Audit", "AuditRecord", "FLOAT32", "LOWER_PRECISION", "autocast",
+           "autocast_audit", "autocast_fp8_state", "float32_region",
+           "half_region"]
+
 LOWER_PRECISION: tuple[str, ...] = ("dot_general", "conv_general_dilated")
 """Primitives run in the compute dtype by default."""
 
@@ -70,8 +74,8 @@ FLOAT32: tuple[str, ...] = (
 )
 """Primitives run in float32 by default (PyTorch's CUDA float32 list)."""
 
-FLOAT32_SCOPE = "jmp_lite_float32"
-HALF_SCOPE = "jmp_lite_half"
+_FLOAT32_SCOPE = "jmp_lite_float32"
+_HALF_SCOPE = "jmp_lite_half"
 
 _INTEGER_ONLY = {"and", "or", "not", "xor", "shift_left",
                  "shift_right_logical", "shift_right_arithmetic",
@@ -97,7 +101,7 @@ def float32_region() -> Any:
     >>> jmp_lite.autocast(f, jnp.bfloat16)(jnp.ones((2, 2))).dtype
     dtype('float32')
   """
-  return jax.named_scope(FLOAT32_SCOPE)
+  return jax.named_scope(_FLOAT32_SCOPE)
 
 
 def half_region() -> Any:
@@ -115,7 +119,7 @@ def half_region() -> Any:
     >>> [r.dtype for r in audit.records]
     ['bfloat16']
   """
-  return jax.named_scope(HALF_SCOPE)
+  return jax.named_scope(_HALF_SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +233,9 @@ class _Retyper:
       return hit[1]
     scopes = set(str(stack).split("/"))
     cfg = self.cfg
-    if FLOAT32_SCOPE in scopes or not scopes.isdisjoint(cfg.exclude):
+    if _FLOAT32_SCOPE in scopes or not scopes.isdisjoint(cfg.exclude):
       found: str | None = "off"
-    elif HALF_SCOPE in scopes or not scopes.isdisjoint(cfg.force):
+    elif _HALF_SCOPE in scopes or not scopes.isdisjoint(cfg.force):
       found = "force"
     else:
       found = None

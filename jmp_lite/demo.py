@@ -21,6 +21,9 @@ import numpy as np
 
 import jmp_lite
 
+__all__ = ["DEFAULT_RUNS", "RUNS", "Row", "Run", "format_table",
+           "hardware_notes", "main", "train"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:

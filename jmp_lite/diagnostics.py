@@ -33,6 +33,11 @@ from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.path_rules import path_string
 
+__all__ = ["GradientHealth", "Misaligned", "NonfiniteOrigin",
+           "PrecisionWarning", "check_alignment", "check_hardware",
+           "find_nonfinite", "gradient_health", "nonfinite_counts",
+           "nonfinite_paths", "tree_bytes"]
+
 
 class PrecisionWarning(UserWarning):
   """A half-precision dtype that the device runs slowly or not at all."""

@@ -14,6 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["canonical_name", "cast_floating", "half_dtype", "is_floating_array",
+           "is_inexact_array", "is_live_state", "is_opaque", "parse_dtype",
+           "to_floating_dtype"]
+
 # Canonical short name first: it is what ``str(Policy)`` prints.
 _ALIASES: dict[np.dtype, tuple[str, ...]] = {
     np.dtype(jnp.float32): ("f32", "float32", "full", "fp32"),
@@ -25,7 +29,7 @@ _NAME_TO_DTYPE: dict[str, np.dtype] = {
     name: dtype for dtype, names in _ALIASES.items() for name in names
 }
 
-VALID_DTYPE_NAMES = (
+_VALID_DTYPE_NAMES = (
     "float32 (f32, fp32, full), bfloat16 (bf16), float16 (f16, fp16, half),"
     " float64 (f64)"
 )
@@ -108,7 +112,7 @@ def parse_dtype(value: str) -> np.dtype:
   if dtype is not None and dtype.name == name and _is_floating(dtype):
     return dtype
   raise ValueError(
-      f"Unknown dtype {value!r}; expected one of: {VALID_DTYPE_NAMES}"
+      f"Unknown dtype {value!r}; expected one of: {_VALID_DTYPE_NAMES}"
   )
 
 
@@ -157,12 +161,12 @@ def to_floating_dtype(value: Any, what: str) -> np.dtype:
     dtype = jnp.dtype(value)
   except TypeError:
     raise TypeError(
-        f"{what} must be a floating dtype ({VALID_DTYPE_NAMES}), got"
+        f"{what} must be a floating dtype ({_VALID_DTYPE_NAMES}), got"
         f" {value!r}"
     ) from None
   if not _is_floating(dtype):
     raise TypeError(
-        f"{what} must be a floating dtype ({VALID_DTYPE_NAMES}), got"
+        f"{what} must be a floating dtype ({_VALID_DTYPE_NAMES}), got"
         f" {dtype.name}"
     )
   return dtype

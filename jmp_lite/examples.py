@@ -26,6 +26,10 @@ import optax
 import jmp_lite
 from jmp_lite.diagnostics import tree_bytes
 
+__all__ = ["OptimizerBuilder", "TrainResult", "fit", "load_digits_split",
+           "low_precision_optimizer", "python_docs_text", "train_char_lm",
+           "train_digits"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:

@@ -11,6 +11,8 @@ import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 
+__all__ = ["all_finite", "select_tree"]
+
 T = TypeVar("T")
 
 

@@ -33,6 +33,8 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
 from jmp_lite.finite import check_scalar_bool
 
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
+
 T = TypeVar("T")
 
 _F32 = np.dtype(np.float32)

@@ -39,6 +39,9 @@ from jmp_lite.accumulation import AccumulateState
 from jmp_lite.path_rules import path_string
 from jmp_lite.transforms import LossScaledState, SkipNonfiniteState
 
+__all__ = ["KahanState", "StateDtypesState", "StochasticRoundingState",
+           "kahan_summation", "state_dtypes", "stochastic_rounding"]
+
 _F32 = np.dtype(jnp.float32)
 _BF16 = np.dtype(jnp.bfloat16)
 _ROUNDINGS = ("nearest", "stochastic")

@@ -20,6 +20,8 @@ from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.finite import copy_arrays
 
+__all__ = ["MasterWeightsState", "master_params", "master_weights"]
+
 
 @struct.dataclass
 class MasterWeightsState:
@@ -194,7 +196,7 @@ def master_params(opt_state: Any) -> Any:
   return found[0].master
 
 
-HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def half_precision_leaves(tree: Any) -> list[str]:
@@ -214,5 +216,5 @@ def half_precision_leaves(tree: Any) -> list[str]:
   return [
       f"{jax.tree_util.keystr(path)} ({np.dtype(x.dtype).name})"
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-      if _dtypes.is_floating_array(x) and np.dtype(x.dtype) in HALF_DTYPES
+      if _dtypes.is_floating_array(x) and np.dtype(x.dtype) in _HALF_DTYPES
   ]

@@ -15,6 +15,8 @@ import jax
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.policy import get_policy, Policy
 
+__all__ = ["cast_by_path", "path_string"]
+
 T = TypeVar("T")
 
 _WHICH = ("param", "compute", "output")

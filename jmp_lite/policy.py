@@ -10,6 +10,8 @@ import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 
+__all__ = ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
+
 T = TypeVar("T")
 
 _KEYS = {

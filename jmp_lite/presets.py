@@ -69,13 +69,15 @@ from jmp_lite.master import master_weights
 from jmp_lite.policy import Policy
 from jmp_lite.transforms import loss_scaled
 
+__all__ = ["MATMUL_LAYERS", "Preset", "preset"]
+
 MATMUL_LAYERS: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal,
     nn.Einsum)
 """The matmul/convolution-heavy layers ``O1`` runs in half precision."""
 
-LEVELS = ("O0", "O1", "O2", "O3")
-COMPENSATIONS = ("kahan", "stochastic", None)
+_LEVELS = ("O0", "O1", "O2", "O3")
+_COMPENSATIONS = ("kahan", "stochastic", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,14 +222,14 @@ def preset(level: str, half: Any = None, *,
     'kahan'
   """
   name = str(level).strip().upper()
-  if name not in LEVELS:
-    raise ValueError(f"Unknown preset {level!r}; expected one of {LEVELS}")
+  if name not in _LEVELS:
+    raise ValueError(f"Unknown preset {level!r}; expected one of {_LEVELS}")
   if compensation == "auto":
     compensation = "kahan" if name == "O3" else None
-  if compensation not in COMPENSATIONS:
+  if compensation not in _COMPENSATIONS:
     raise ValueError(
         f"Unknown compensation {compensation!r}; expected one of"
-        f" {COMPENSATIONS} or 'auto'")
+        f" {_COMPENSATIONS} or 'auto'")
   if compensation is not None and name != "O3":
     raise ValueError(
         f"compensation={compensation!r} applies to half-precision params"

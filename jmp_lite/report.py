@@ -2,8 +2,8 @@
 
 Shared by the linen, nnx and Equinox adapters. An adapter traces the model
 once (abstractly) with every module call wrapped in a ``jax.named_scope``
-whose name is a token of that module (:meth:`Recorder.scope`), and records
-what crossed the module's boundary (:meth:`Recorder.call`). The report then
+whose name is a token of that module (``Recorder.scope``), and records
+what crossed the module's boundary (``Recorder.call``). The report then
 reads the traced jaxpr: each ``dot_general`` and convolution is attributed to
 the innermost module whose scope it was traced in, and its operand dtypes are
 what the module *computed* in — facts, not the policy's intent. A module whose
@@ -27,6 +27,8 @@ from jax.extend import core as jex
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.diagnostics import tree_bytes
 
+__all__ = ["DtypeReport", "ReportRow"]
+
 Path = tuple[str, ...]
 
 _MATMULS = ("dot_general", "conv_general_dilated")
@@ -34,7 +36,7 @@ _TOKEN = "jmp_lite_module_"
 _TOKEN_RE = re.compile(_TOKEN + r"(\d+)")
 
 
-def float_dtypes(tree: Any) -> str:
+def _float_dtypes(tree: Any) -> str:
   """The sorted, comma-joined names of the floating dtypes in ``tree``.
 
   Args:
@@ -45,7 +47,7 @@ def float_dtypes(tree: Any) -> str:
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite.report
-    >>> jmp_lite.report.float_dtypes({"a": jnp.ones(1), "b": 2})
+    >>> jmp_lite.report._float_dtypes({"a": jnp.ones(1), "b": 2})
     'float32'
   """
   names = sorted({np.dtype(x.dtype).name
@@ -219,9 +221,9 @@ class Recorder:
     """
     module = self._module(path, cls, policy)
     module.calls += 1
-    module.inputs.add(float_dtypes(inputs))
-    module.outputs.add(float_dtypes(outputs))
-    module.read.add(float_dtypes(params_read))
+    module.inputs.add(_float_dtypes(inputs))
+    module.outputs.add(_float_dtypes(outputs))
+    module.read.add(_float_dtypes(params_read))
 
   def report(self, closed_jaxpr: Any, stored: dict[Path, Any],
              total_param_bytes: int | None = None) -> DtypeReport:
@@ -236,7 +238,7 @@ class Recorder:
     Returns:
       The :class:`DtypeReport`.
     """
-    ops = matmul_dtypes_by_scope(closed_jaxpr)
+    ops = _matmul_dtypes_by_scope(closed_jaxpr)
     rows = []
     for path, m in self.modules.items():
       computed = ops.get(m.token, set())
@@ -255,7 +257,7 @@ class Recorder:
       own = stored.get(path, {})
       rows.append(ReportRow(
           path="/".join(path), cls=m.cls.__name__, policy=str(m.policy),
-          calls=m.calls, stored=float_dtypes(own),
+          calls=m.calls, stored=_float_dtypes(own),
           read=_join(m.read), inputs=_join(m.inputs),
           outputs=_join(m.outputs), computed=computed_names,
           param_bytes=tree_bytes(own), note=note))
@@ -269,7 +271,7 @@ def _join(names: set[str]) -> str:
   return ",".join(parts) if parts else "-"
 
 
-def matmul_dtypes_by_scope(closed_jaxpr: Any) -> dict[int, set[str]]:
+def _matmul_dtypes_by_scope(closed_jaxpr: Any) -> dict[int, set[str]]:
   """Operand dtypes of every matmul/convolution, by innermost module token.
 
   Walks sub-jaxprs (``jit``, ``scan``, ``cond``, ``remat``, custom

@@ -35,6 +35,8 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling
 from jmp_lite.policy import get_policy, Policy
 
+__all__ = ["FLOAT32", "Resolved", "Rule", "RuleSet"]
+
 _RECIPES = (CurrentScaling, DelayedScaling)
 
 Path = tuple[str, ...]

@@ -50,7 +50,12 @@ from jmp_lite.loss_scale import (
 from jmp_lite.master import half_precision_leaves
 from jmp_lite.policy import Policy
 
-SKIP_WITH = ("auto", "cond", "select")
+__all__ = ["GuardConfig", "LossScaledState", "NonFiniteHaltError",
+           "SkipNonfiniteState", "current_loss_scale", "default_loss_scale",
+           "loss_scaled", "loss_scaled_state", "raise_if_halted",
+           "skip_nonfinite"]
+
+_SKIP_WITH = ("auto", "cond", "select")
 
 
 class NonFiniteHaltError(RuntimeError):
@@ -106,9 +111,9 @@ class GuardConfig:
 
 
 def _check_skip_with(skip_with: Any) -> str:
-  if skip_with not in SKIP_WITH:
+  if skip_with not in _SKIP_WITH:
     raise ValueError(
-        f"skip_with must be one of {SKIP_WITH}, got {skip_with!r}")
+        f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
   return skip_with
 
 
@@ -279,9 +284,9 @@ def _minus_zero(shape: Any) -> Any:
   return jnp.zeros(shape.shape, dtype)
 
 
-def skipped_updates(inner: optax.GradientTransformation, grads: Any,
-                    inner_state: Any, params: Any,
-                    extra: dict[str, Any]) -> Any:
+def _skipped_updates(inner: optax.GradientTransformation, grads: Any,
+                     inner_state: Any, params: Any,
+                     extra: dict[str, Any]) -> Any:
   """The updates a skipped step hands on: ``-0.0`` shaped like ``inner``'s.
 
   ``inner`` is only traced abstractly (``jax.eval_shape``), never run.
@@ -299,10 +304,10 @@ def skipped_updates(inner: optax.GradientTransformation, grads: Any,
 
   Example:
     >>> import jax.numpy as jnp, optax
-    >>> from jmp_lite.transforms import skipped_updates
+    >>> from jmp_lite.transforms import _skipped_updates
     >>> opt = optax.sgd(0.1)
     >>> p = jnp.ones(2)
-    >>> skipped_updates(opt, p, opt.init(p), p, {})
+    >>> _skipped_updates(opt, p, opt.init(p), p, {})
     Array([-0., -0.], dtype=float32)
   """
   shapes = jax.eval_shape(
@@ -334,7 +339,7 @@ def _guarded_update(inner: optax.GradientTransformation, grads: Any,
       return inner.update(prepare(grads), inner_state, params, **extra)
 
     def skipped() -> tuple[Any, Any]:
-      return (skipped_updates(inner, grads, inner_state, params, extra),
+      return (_skipped_updates(inner, grads, inner_state, params, extra),
               inner_state)
 
     new_updates, new_inner = jax.lax.cond(apply, taken, skipped)
@@ -357,7 +362,7 @@ def _decided_update(inner: optax.GradientTransformation, grads: Any,
     g = grads if prepare is None else prepare(grads)
     new_updates, new_inner = inner.update(g, inner_state, params, **extra)
     return new_updates, new_inner, jnp.ones((), jnp.bool_)
-  return (skipped_updates(inner, grads, inner_state, params, extra),
+  return (_skipped_updates(inner, grads, inner_state, params, extra),
           inner_state, jnp.zeros((), jnp.bool_))
 
 

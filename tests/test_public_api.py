@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
+
+import pytest
 
 import jmp_lite
 
@@ -27,3 +31,33 @@ def test_every_public_name_has_a_docstring_with_an_example():
       no_example.append(name)
   assert not missing, missing
   assert not no_example, no_example
+
+
+def _public_modules() -> list[str]:
+  names = []
+  for info in pkgutil.walk_packages(jmp_lite.__path__, "jmp_lite."):
+    if not any(part.startswith("_") for part in info.name.split(".")[1:]):
+      names.append(info.name)
+  return names
+
+
+@pytest.mark.parametrize("modname", _public_modules())
+def test_every_public_module_declares_its_surface(modname):
+  """``__all__`` lists existing, documented names; a star import gives it."""
+  module = importlib.import_module(modname)
+  assert isinstance(getattr(module, "__all__", None), (list, tuple)), (
+      f"{modname} has no __all__")
+  names = list(module.__all__)
+  assert len(set(names)) == len(names), names
+  assert not [n for n in names if n.startswith("_")]
+  missing = [n for n in names if not hasattr(module, n)]
+  assert not missing, missing
+  undocumented = [
+      n for n in names
+      if (inspect.isclass(getattr(module, n))
+          or inspect.isfunction(getattr(module, n)))
+      and not (inspect.getdoc(getattr(module, n)) or "").strip()]
+  assert not undocumented, undocumented
+  namespace: dict[str, object] = {}
+  exec(f"from {modname} import *", namespace)
+  assert set(namespace) - {"__builtins__"} == set(names)

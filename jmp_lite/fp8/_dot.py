@@ -48,6 +48,8 @@ from jmp_lite.fp8._recipes import (
   ScalingState,
 )
 
+__all__ = ["dot_general"]
+
 _F32 = np.dtype(np.float32)
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],

@@ -14,6 +14,8 @@ from jmp_lite import struct
 from jmp_lite.fp8._quantize import amax_of, scale_for
 from jmp_lite.fp8._recipes import _fp8_dtype, _non_negative_int
 
+__all__ = ["QuantizationHealth", "quantization_health"]
+
 _F32 = np.dtype(np.float32)
 
 

@@ -15,6 +15,8 @@ import numpy as np
 
 from jmp_lite.fp8._recipes import _fp8_dtype, _non_negative_int
 
+__all__ = ["quantize"]
+
 _F32 = np.dtype(np.float32)
 # Scales stay within float32's normal range, so that both the scale and its
 # inverse are exact normal numbers (GPUs flush float32 subnormals to zero).

@@ -12,6 +12,9 @@ import numpy as np
 
 from jmp_lite import struct
 
+__all__ = ["AMAX_COMPUTE", "CurrentScaling", "DelayedScaling", "FP8_DTYPES",
+           "ScalingState"]
+
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
     jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
     jnp.float8_e5m2fnuz))
