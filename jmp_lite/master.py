@@ -49,11 +49,13 @@ def _apply(master: Any, update: Any) -> Any:
   return (master + update).astype(master.dtype)
 
 
-def _param_update(new_master: Any, update: Any, param: Any,
-                  update_dtype: Any = None) -> Any:
+def _param_update(new_master: Any, old_master: Any, update: Any,
+                  param: Any, update_dtype: Any = None) -> Any:
   """The update that takes ``param`` to ``new_master`` cast to its dtype.
 
-  In ``update_dtype``, or the param's own dtype when it is ``None``.
+  In ``update_dtype``, or the param's own dtype when it is ``None``. Only
+  where the master moved: elsewhere (every element of a skipped step) the
+  update is ``-0.0``, and ``p + -0.0`` is ``p`` bit for bit.
   """
   if not _dtypes.is_floating_array(param):
     return update
@@ -64,15 +66,13 @@ def _param_update(new_master: Any, update: Any, param: Any,
   # the cast master value whenever the update holds it exactly: always in
   # float32; in the param's own dtype whenever the two are within a factor
   # of two of each other. A bigger leap (a param crossing towards zero)
-  # then lands within one rounding, and the next step, computed against the
-  # param as it is, closes the gap.
+  # lands within one rounding, and the next step that moves that master
+  # element, computed against the param as it is, closes the gap.
   wide = jnp.promote_types(param.dtype, jnp.float32)
   target = new_master.astype(param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
-  # -0.0 where nothing moves (a skipped step): p + -0.0 is p bit for bit,
-  # -0.0 params included, whereas target - p would be +0.0.
-  delta = jnp.where(target != current, target - current,
-                    jnp.asarray(-0.0, wide))
+  moved = (new_master != old_master) & (target != current)
+  delta = jnp.where(moved, target - current, jnp.asarray(-0.0, wide))
   return delta.astype(param.dtype if update_dtype is None else update_dtype)
 
 
@@ -160,7 +160,8 @@ def master_weights(
         **extra)
     new_master = jax.tree.map(_apply, state.master, updates)
     param_updates = jax.tree.map(
-        lambda m, u, p: _param_update(m, u, p, update_dtype), new_master,
+        lambda m, o, u, p: _param_update(m, o, u, p, update_dtype),
+        new_master, state.master,
         updates, params)
     return param_updates, MasterWeightsState(
         master=new_master, inner_state=inner_state)

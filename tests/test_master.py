@@ -222,8 +222,14 @@ def test_a_leap_towards_zero_is_closed_on_the_next_step():
   params = optax.apply_updates(params, updates)
   target = jmp_lite.master_params(state)["w"].astype(jnp.bfloat16)
   assert float(jnp.abs(params["w"] - target)[0]) <= 2.0**-7  # One rounding.
+  # A skipped step (the master does not move) leaves the param as it is ...
   updates, state = opt.update({"w": jnp.zeros(1, jnp.bfloat16)}, state, params)
+  assert bool(jnp.signbit(updates["w"][0])) and float(updates["w"][0]) == 0
+  # ... the next step that moves the master lands on it.
+  updates, state = opt.update({"w": jnp.full(1, 2.0**-20, jnp.bfloat16)},
+                              state, params)
   params = optax.apply_updates(params, updates)
+  target = jmp_lite.master_params(state)["w"].astype(jnp.bfloat16)
   chex.assert_trees_all_equal(params["w"], target)
   # With float32 updates (cast back by optax.apply_updates) it lands at once.
   exact = jmp_lite.master_weights(optax.sgd(1.0), update_dtype=jnp.float32)
