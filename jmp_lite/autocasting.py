@@ -5,8 +5,8 @@ with each primitive re-typed:
 
 * **lower** list (default: ``dot_general``, ``conv_general_dilated``, the
   primitives behind ``@``, ``jnp.einsum``, ``jnp.matmul``, attention): float
-  inputs cast to the compute dtype, accumulation in float32
-  (``preferred_element_type``), result in the compute dtype;
+  inputs cast to the compute dtype, result in the compute dtype (XLA
+  accumulates in float32), and so are the gradient's matmuls;
 * **float32** list (PyTorch's CUDA float32 list mapped to ``lax``
   primitives: ``exp``, ``log``, ``log1p``, ``expm1``, ``pow``, ``rsqrt``,
   ``logistic``, reductions ``reduce_sum``/``cumsum``/..., the pieces of
@@ -345,9 +345,15 @@ class _Retyper:
         a.aval.dtype in _CASTABLE for a in invars)):
       category = "lower"
       invars = [self.cast(a, cfg.compute, casts, eqns, eqn) for a in invars]
-      if ("preferred_element_type" in params and cfg.accumulate_f32
+      if ("preferred_element_type" in params
           and any(a.aval.dtype in _CASTABLE for a in invars)):
-        params = dict(params, preferred_element_type=_F32)
+        # The product comes out in the compute dtype, so the backward pass's
+        # matmuls take compute-dtype cotangents too (a float32 result would
+        # send float32 cotangents into both gradient matmuls). XLA
+        # accumulates half-precision products in float32 on GPU, TPU and
+        # CPU either way; accumulate_in_float32 asks for a float32 result.
+        params = dict(params, preferred_element_type=(
+            _F32 if cfg.accumulate_f32 else cfg.compute))
     elif name in cfg.fp32:
       category = "float32"
       invars = [self.cast(a, _F32, casts, eqns, eqn) for a in invars]
@@ -502,7 +508,7 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                  deny: Iterable[Any] = (), use_default_lists: bool = True,
                  exclude_scopes: Sequence[str] = (),
                  force_scopes: Sequence[str] = (),
-                 accumulate_in_float32: bool = True, fp8: Any = None,
+                 accumulate_in_float32: bool = False, fp8: Any = None,
                  fp8_scopes: Sequence[str] | None = None,
                  fp8_exclude_scopes: Sequence[str] = ()) -> _Config:
   """Validates :func:`autocast`'s options (shared with the audit)."""
@@ -641,7 +647,7 @@ def autocast(
     use_default_lists: bool = True,
     exclude_scopes: Sequence[str] = (),
     force_scopes: Sequence[str] = (),
-    accumulate_in_float32: bool = True,
+    accumulate_in_float32: bool = False,
     fp8: Any = None,
     fp8_scopes: Sequence[str] | None = None,
     fp8_exclude_scopes: Sequence[str] = (),
@@ -661,8 +667,13 @@ def autocast(
     exclude_scopes: ``jax.named_scope`` names whose code runs as written.
     force_scopes: ``jax.named_scope`` names whose float ops all run in the
       compute dtype.
-    accumulate_in_float32: lower-precision matmuls and convolutions
-      accumulate in float32 (``preferred_element_type``).
+    accumulate_in_float32: ask lower-precision matmuls and convolutions for
+      a float32 result (``preferred_element_type``), rounded to the compute
+      dtype right after. Off by default: XLA accumulates half-precision
+      products in float32 on GPU, TPU and CPU anyway, and a float32 result
+      makes the backward pass's matmuls take float32 cotangents (which then
+      run in float32). With it off, products come out in the compute dtype
+      and the gradient's matmuls run in it too.
     fp8: a :class:`jmp_lite.fp8.CurrentScaling` or
       :class:`~jmp_lite.fp8.DelayedScaling` recipe: every ``dot_general``
       that would run in the compute dtype runs as

@@ -539,3 +539,26 @@ def test_rewritten_jaxprs_type_check():
            (jax.vmap(g, in_axes=(0, None)), (jnp.stack([x, x]), w))]
   for fn, args in cases:
     jax.extend.core.check_jaxpr(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gradient_matmuls_run_in_the_compute_dtype(dtype):
+  """The backward pass's matmuls take compute-dtype cotangents, not float32."""
+  from tests.models.harness import matmul_dtypes
+
+  def loss(w1, w2, x):
+    return jax.nn.logsumexp(jnp.tanh(x @ w1) @ w2, axis=-1).mean()
+
+  args = (jnp.ones((8, 16)) * 0.1, jnp.ones((16, 4)) * 0.1, jnp.ones((2, 8)))
+  half = np.dtype(dtype)
+  grad = jax.grad(jmp_lite.autocast(loss, dtype), argnums=(0, 1))
+  found = [d for _, d, _ in matmul_dtypes(jax.make_jaxpr(grad)(*args))]
+  assert len(found) == 5 and set(found) == {(half, half)}, found
+  # Asking for float32 results brings float32 cotangents back, as documented.
+  wide = jax.grad(jmp_lite.autocast(loss, dtype, accumulate_in_float32=True),
+                  argnums=(0, 1))
+  found = {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(wide)(*args))}
+  assert (np.dtype(jnp.float32), half) in found
+  # Same values as float32 within half-precision rounding.
+  ref = jax.grad(loss, argnums=(0, 1))(*args)
+  chex.assert_trees_all_close(grad(*args), ref, rtol=2e-2, atol=2e-3)
