@@ -24,7 +24,12 @@ import numpy as np
 from jax import core as jax_core
 from jax.extend import core as jex
 
-ClosedJaxpr = jex.ClosedJaxpr
+# JAX 0.12 merged closed and open jaxprs into one class; ClosedJaxpr stays as
+# an alias that type checkers do not count as exported.
+from jax.extend.core import (
+    ClosedJaxpr,  # pyright: ignore[reportPrivateImportUsage]
+)
+
 Jaxpr = jex.Jaxpr
 Literal = jex.Literal
 
@@ -70,13 +75,13 @@ def split_array_args(
   return arrays, rebuild
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> tuple[jex.ClosedJaxpr, Any]:
+def trace(fn: Callable[..., Any], *args: Any) -> tuple[ClosedJaxpr, Any]:
   """Traces ``fn`` to a closed jaxpr and the pytree of its outputs' shapes."""
   return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
 def trace_flat(fn: Callable[..., Sequence[Any]],
-               args: Sequence[Any]) -> jex.ClosedJaxpr:
+               args: Sequence[Any]) -> ClosedJaxpr:
   """Traces ``fn(*args)`` (arrays in, a flat list of arrays out) to a jaxpr.
 
   ``jax.jit(fn).trace`` does what ``jax.make_jaxpr`` does at lower cost
@@ -104,7 +109,7 @@ def is_literal(atom: Any) -> bool:
 
 def is_jaxpr(obj: Any) -> bool:
   """Whether ``obj`` is a jaxpr (open or closed) held in a parameter."""
-  return isinstance(obj, (jex.ClosedJaxpr, jex.Jaxpr))
+  return isinstance(obj, (ClosedJaxpr, jex.Jaxpr))
 
 
 def jaxpr_and_consts(sub: Any) -> tuple[Any, Sequence[Any]]:
@@ -131,7 +136,7 @@ def rebuilt(sub: Any, body: Any) -> Any:
   consts = getattr(sub, "consts", None)
   if consts is None or sub.jaxpr is sub:  # Open, or carries its constants.
     return body
-  return jex.ClosedJaxpr(body, consts)
+  return ClosedJaxpr(body, consts)
 
 
 def rewrite(jaxpr: Any, eqns: Sequence[Any], outvars: Sequence[Any]) -> Any:
@@ -141,7 +146,7 @@ def rewrite(jaxpr: Any, eqns: Sequence[Any], outvars: Sequence[Any]) -> Any:
 
 def consts_as_args(jaxpr: Any) -> Any:
   """A closed, constant-free jaxpr of ``jaxpr`` taking its constants first."""
-  return jex.ClosedJaxpr(
+  return ClosedJaxpr(
       jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars],
                     debug_info=jaxpr.debug_info.with_unknown_names()), ())
 
