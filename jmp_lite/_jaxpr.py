@@ -30,7 +30,6 @@ from jax.extend.core import (
     ClosedJaxpr,  # pyright: ignore[reportPrivateImportUsage]
 )
 
-Jaxpr = jex.Jaxpr
 Literal = jex.Literal
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
@@ -104,7 +103,7 @@ def bind(eqn: Any, params: dict[str, Any], invals: Sequence[Any]) -> list[Any]:
 
 def is_literal(atom: Any) -> bool:
   """Whether a jaxpr operand is an inline constant rather than a variable."""
-  return isinstance(atom, jex.Literal)
+  return isinstance(atom, Literal)
 
 
 def is_jaxpr(obj: Any) -> bool:
@@ -179,12 +178,12 @@ def convert(atom: Any, dtype: np.dtype, like: Any) -> tuple[Any, Any]:
   As ``lax.convert_element_type(x, dtype)``: the result is not weak-typed; a
   literal is converted on the host into a new literal (no equation).
   """
-  if isinstance(atom, jex.Literal):
+  if isinstance(atom, Literal):
     aval = atom.aval.update(dtype=dtype, weak_type=False)
     value = np.asarray(atom.val, dtype)
     if hasattr(atom.val, "aval"):  # JAX's typed host arrays carry their type.
       value = type(atom.val)(value, aval)
-    return None, jex.Literal(value, aval)
+    return None, Literal(value, aval)
   # The type convert_element_type's abstract evaluation gives: the new
   # dtype, strong, everything else (shape, sharding, varying axes) kept.
   out = jex.Var(atom.aval.update(dtype=dtype, weak_type=False))

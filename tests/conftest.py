@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,22 @@ _FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
       filter(None, [os.environ.get("XLA_FLAGS", ""), _FAST_COMPILE]))
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def multidevice_env(devices: int) -> dict[str, str]:
+  """The environment of a subprocess that sees ``devices`` CPU devices.
+
+  The device count is added to the inherited ``XLA_FLAGS`` (the flag above
+  included); the checkout is importable and JAX stays on the CPU.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  flags = " ".join(filter(None, [
+      flags, f"--xla_force_host_platform_device_count={devices}"]))
+  return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=flags,
+              JAX_PLATFORMS="cpu")
+
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 FLOAT_DTYPE_IDS = ["f32", "bf16", "f16"]

@@ -5,13 +5,11 @@ Runs in a subprocess: the device count is fixed when JAX starts.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import multidevice_env, ROOT
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -79,9 +77,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_fp8_dot_on_four_devices():
-  env = dict(os.environ, PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+  env = multidevice_env(4)
   proc = subprocess.run([sys.executable, "-W", "error", "-c", SCRIPT],
                         capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)

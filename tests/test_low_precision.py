@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import chex
 import jax
@@ -17,9 +15,8 @@ import optax
 import pytest
 
 import jmp_lite
-from tests.conftest import assert_dtype
+from tests.conftest import assert_dtype, multidevice_env, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 HALF = [jnp.bfloat16, jnp.float16]
 HALF_IDS = ["bf16", "f16"]
 
@@ -568,9 +565,7 @@ def test_state_never_holds_the_params_buffers():
 
 
 def test_sharded_runs_match_the_unsharded_run():
-  env = dict(os.environ, PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = multidevice_env(8)
   proc = subprocess.run(
       [sys.executable, "-W", "error",
        str(ROOT / "tests" / "multidevice" / "low_precision_sharded.py")],

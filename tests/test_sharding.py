@@ -6,18 +6,14 @@ starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import multidevice_env, ROOT
 
 
 def test_every_device_skips_and_backs_off_together():
-  env = dict(os.environ, PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = multidevice_env(8)
   proc = subprocess.run(
       [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
                                            "sharded_skip.py")],
