@@ -34,7 +34,7 @@
    * - ``O3``
      - half
      - half
-     - half params + Kahan compensation, half moments computed in float32
+     - half params + Kahan compensation, bfloat16 moments computed in float32
      - O3
      - pure fp16
      - ``model.half()``
@@ -44,6 +44,13 @@ Bytes per parameter of params + optimizer state with Adam: ``O0``/``O1`` 12
 moments), ``O3`` with ``compensation="stochastic"`` 6, and the old pure half
 ``O3`` (``compensation=None``) 6 but it stops learning once updates fall
 below half an ulp.
+
+``O3`` stores the optimizer's moments in bfloat16 whatever the half dtype of
+the params: float16 cannot hold Adam's second moment (``0.001 * g**2``
+rounds to zero for gradients below about 5e-3, and the update divides by its
+square root), and with float16 moments models that train in float32 blow up
+within a few steps. bfloat16 has float32's exponent range; only storage is bfloat16, the
+arithmetic is float32, so this needs no bfloat16 hardware.
 """
 
 from __future__ import annotations
@@ -69,12 +76,18 @@ from jmp_lite.master import master_weights
 from jmp_lite.policy import Policy
 from jmp_lite.transforms import loss_scaled
 
-__all__ = ["MATMUL_LAYERS", "Preset", "preset"]
+__all__ = ["MATMUL_LAYERS", "O3_STATE_DTYPE", "Preset", "preset"]
 
 MATMUL_LAYERS: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal,
     nn.Einsum)
 """The matmul/convolution-heavy layers ``O1`` runs in half precision."""
+
+O3_STATE_DTYPE: np.dtype = np.dtype(jnp.bfloat16)
+"""The dtype ``O3``'s compensated recipes store optimizer state in.
+
+bfloat16 for float16 params too: float16 cannot hold Adam's second moment.
+"""
 
 _LEVELS = ("O0", "O1", "O2", "O3")
 _COMPENSATIONS = ("kahan", "stochastic", None)
@@ -157,18 +170,19 @@ class Preset:
     ``master_weights(loss_scaled(inner))``. ``O3`` (default
     ``compensation="kahan"``)::
 
-        kahan_summation(state_dtypes(loss_scaled(inner), half))
+        kahan_summation(state_dtypes(loss_scaled(inner), "bf16"))
 
     ``inner`` computes in float32 (unscaling float32 gradients), its state
-    arrays are stored in the half dtype, and the params take their updates
-    with Kahan compensation: 8 bytes per parameter with Adam (2 param, 2
-    compensation, 2 + 2 moments). ``compensation="stochastic"`` puts
-    ``stochastic_rounding(..., seed=seed)`` in place of Kahan: 6 bytes per
-    parameter. ``compensation=None`` is the old pure half recipe,
-    ``loss_scaled(inner, allow_half_state=True)`` with moments computed in
-    half precision (6 bytes; small updates round away), and with float16
-    every constant of ``inner`` must survive float16: Adam's ``eps=1e-8``
-    rounds to 0, so pass ``eps=1e-4`` or so.
+    arrays are stored in bfloat16 (also when the params are float16, which
+    lacks the range for Adam's second moment: see :data:`O3_STATE_DTYPE`),
+    and the params take their updates with Kahan compensation: 8 bytes per
+    parameter with Adam (2 param, 2 compensation, 2 + 2 moments).
+    ``compensation="stochastic"`` puts ``stochastic_rounding(..., seed=seed)``
+    in place of Kahan: 6 bytes per parameter. ``compensation=None`` is the
+    old pure half recipe, ``loss_scaled(inner, allow_half_state=True)`` with
+    moments computed and stored in the half dtype (6 bytes; small updates
+    round away), and with float16 every constant of ``inner`` must survive
+    float16: Adam's ``eps=1e-8`` rounds to 0, so pass ``eps=1e-4`` or so.
 
     Args:
       inner: the optimizer.
@@ -178,7 +192,8 @@ class Preset:
       The wrapped optimizer.
     """
     if self.name == "O3" and self.compensation is not None:
-      stored = state_dtypes(loss_scaled(inner, self.loss_scale()), self.half)
+      stored = state_dtypes(loss_scaled(inner, self.loss_scale()),
+                            O3_STATE_DTYPE)
       if self.compensation == "kahan":
         return kahan_summation(stored)
       return stochastic_rounding(stored, seed=seed)
@@ -192,7 +207,7 @@ def preset(level: str, half: Any = None, *,
   """Returns the named preset.
 
   ``O3`` keeps params in the half dtype and, by default, trains them with
-  Kahan compensation and half-precision Adam moments computed in float32
+  Kahan compensation and bfloat16 Adam moments computed in float32
   (see :meth:`Preset.optimizer`): 8 bytes per parameter against ``O2``'s
   14, at float32's accuracy on the fidelity tasks (``docs/low_precision.md``).
 

@@ -38,8 +38,9 @@ def test_o3_recipe_state_dtypes_and_bytes(half, compensation, kind,
   state = opt.init(params)
   assert isinstance(state, kind)
   adam = _adam_state(state)
-  assert_dtype(adam.mu["w"], dtype)
-  assert_dtype(adam.nu["w"], dtype)
+  # Moments in bfloat16 for float16 params too (float16 lacks the range).
+  assert_dtype(adam.mu["w"], jnp.bfloat16)
+  assert_dtype(adam.nu["w"], jnp.bfloat16)
   if kind is jmp_lite.KahanState:
     assert_dtype(state.compensation["w"], dtype)
   n = sum(x.size for x in jax.tree.leaves(params))
@@ -56,6 +57,38 @@ def test_o3_recipe_state_dtypes_and_bytes(half, compensation, kind,
   assert float(jnp.abs(new_params["w"].astype(jnp.float32)
                        - params["w"].astype(jnp.float32)).max()) > 0
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_o3_float16_moves_like_float32_adam_on_tiny_gradients(compensation):
+  # Gradients of 1e-5: the 0.001 * g**2 that Adam adds to nu each step is
+  # below float16's smallest subnormal. Stored in float16, nu stays 0 and
+  # Adam's steps grow many times larger than lr (models diverge in a few
+  # steps); O3 stores the moments in bfloat16 and moves by lr per step.
+  lr, steps = 1e-3, 100
+  params = {"w": jnp.ones((16, 16), jnp.float16)}
+  grads = {"w": jnp.full((16, 16), 1e-5, jnp.float32)}
+
+  def run(opt):
+    state = opt.init(params)
+    scale = jmp_lite.current_loss_scale(state)
+    g = jax.tree.map(lambda x: scale.scale(x).astype(jnp.float16), grads)
+    step = jax.jit(lambda p, s: jmp_lite.update_and_apply(opt, g, s, p))
+    p = params
+    for _ in range(steps):
+      last, (p, state) = p, step(p, state)
+    return p, float(jnp.max(jnp.abs(p["w"].astype(jnp.float32)
+                                    - last["w"].astype(jnp.float32))))
+
+  o3 = preset("O3", half="f16", compensation=compensation)
+  p, _ = run(o3.optimizer(optax.adam(lr)))
+  # float32 Adam: every step moves by lr (mu_hat / sqrt(nu_hat) = 1).
+  np.testing.assert_allclose(np.asarray(p["w"], np.float32),
+                             1.0 - steps * lr, atol=3e-3)
+  half_moments = jmp_lite.state_dtypes(
+      jmp_lite.loss_scaled(optax.adam(lr), o3.loss_scale()), "f16")
+  _, last_move = run(jmp_lite.kahan_summation(half_moments))
+  assert last_move > 4 * lr  # What storing the moments in bfloat16 avoids.
 
 
 def test_o3_without_compensation_is_the_plain_pure_half_recipe():

@@ -10,6 +10,11 @@ state, and a loss as a plain function of pytrees. :func:`check` then, for a
 * trains ``STEPS`` steps with a train step jitted with ``donate_argnums`` on
   params, optimizer state and model state, as real scripts do, and returns
   the losses for comparison with float32.
+
+The ``O3`` settings keep params in bfloat16 or float16 (norm islands
+float32) and train them the way ``preset("O3")`` does: Kahan summation or
+stochastic rounding over Adam whose moments are stored in bfloat16, stepped
+with :func:`jmp_lite.update_and_apply` as the README's first step is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax.extend import core as jex
 
 import jmp_lite
 from jmp_lite.path_rules import path_string
+from jmp_lite.presets import O3_STATE_DTYPE, preset
 
 STEPS = 20
 F32 = np.dtype(jnp.float32)
@@ -45,6 +51,7 @@ class Setting:
   param: np.dtype
   dynamic_scale: bool = False
   master: bool = False
+  compensation: str | None = None  # O3: "kahan" or "stochastic".
 
   def loss_scale(self) -> jmp_lite.LossScale:
     if self.dynamic_scale:
@@ -57,6 +64,16 @@ SETTINGS = {
     "bf16": Setting("bf16", "p=f32,c=bf16,o=f32", BF16, F32),
     "f16": Setting("f16", "p=f32,c=f16,o=f32", F16, F32, dynamic_scale=True),
     "O2": Setting("O2", "p=bf16,c=bf16,o=f32", BF16, BF16, master=True),
+}
+
+# Pure half precision: half params (norm islands float32), no master copy.
+O3_SETTINGS = {
+    "O3": Setting("O3", "p=bf16,c=bf16,o=f32", BF16, BF16,
+                  compensation="kahan"),
+    "O3-sr": Setting("O3-sr", "p=bf16,c=bf16,o=f32", BF16, BF16,
+                     compensation="stochastic"),
+    "O3-f16": Setting("O3-f16", "p=f16,c=f16,o=f32", F16, F16,
+                      dynamic_scale=True, compensation="kahan"),
 }
 
 
@@ -124,8 +141,33 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def optimizer(setting: Setting, lr: float) -> optax.GradientTransformation:
+  if setting.compensation is not None:
+    o3 = preset("O3", half=setting.param, compensation=setting.compensation)
+    return o3.optimizer(optax.adam(lr))
   opt = jmp_lite.loss_scaled(optax.adam(lr), setting.loss_scale())
   return jmp_lite.master_weights(opt) if setting.master else opt
+
+
+def _check_optimizer_state(setting: Setting, params: Any,
+                           opt_state: Any) -> None:
+  """Optimizer state is never silently half; O3's half state is by design."""
+  if setting.compensation is None:
+    # Moments (and the master copy) float32.
+    for path, dtype in float_leaves(opt_state).items():
+      assert dtype == F32, (setting.name, path, dtype)
+    return
+  # O3: every moment stored in bfloat16 (float16 params too: float16 lacks
+  # the range for Adam's second moment); a Kahan buffer in the param's dtype
+  # for exactly the half params (float32 islands take their updates as they
+  # are).
+  inner = jmp_lite.loss_scaled_state(opt_state).inner_state
+  for path, dtype in float_leaves(inner).items():
+    assert dtype == O3_STATE_DTYPE, (setting.name, path, dtype)
+  if setting.compensation == "kahan":
+    half = {p for p, d in float_leaves(params).items() if d == setting.param}
+    buffers = float_leaves(opt_state.compensation)
+    assert set(buffers) == half, (setting.name, set(buffers) ^ half)
+    assert set(buffers.values()) <= {setting.param}, buffers
 
 
 def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
@@ -161,9 +203,7 @@ def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
 
   opt = optimizer(setting, case.lr)
   opt_state = opt.init(case.params)
-  # Optimizer state never silently half: moments (and master copy) float32.
-  for path, dtype in float_leaves(opt_state).items():
-    assert dtype == F32, (setting.name, path, dtype)
+  _check_optimizer_state(setting, case.params, opt_state)
 
   def step(params, opt_state, state, batch, rng):
     scale = jmp_lite.current_loss_scale(opt_state)
@@ -173,6 +213,10 @@ def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
       return scale.scale(loss), (loss, new_state)
 
     grads, (loss, new_state) = jax.grad(scaled, has_aux=True)(params)
+    if setting.compensation is not None:
+      params, opt_state = jmp_lite.update_and_apply(opt, grads, opt_state,
+                                                    params)
+      return params, opt_state, new_state, loss
     updates, opt_state = opt.update(grads, opt_state, params)
     return case.apply_updates(params, updates), opt_state, new_state, loss
 
@@ -189,6 +233,7 @@ def check(case: Case, setting: Setting, *, matmuls: int = 1) -> np.ndarray:
   for path, dtype in float_leaves(params).items():
     expected = F32 if case.island(path) else setting.param
     assert dtype == expected, (setting.name, "after training", path, dtype)
+  _check_optimizer_state(setting, params, opt_state)
   # Dynamic scaling may skip while it backs off from 2**15; not for long.
   skips = int(jmp_lite.loss_scaled_state(opt_state).total_skips)
   assert skips <= STEPS // 4, (setting.name, skips)
