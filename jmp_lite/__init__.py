@@ -48,6 +48,7 @@ from jmp_lite.policy import cast_to_full as cast_to_full
 from jmp_lite.policy import cast_to_half as cast_to_half
 from jmp_lite.policy import get_policy as get_policy
 from jmp_lite.policy import Policy as Policy
+from jmp_lite.step import apply_gradients as apply_gradients
 from jmp_lite.step import scaled_value_and_grad as scaled_value_and_grad
 from jmp_lite.step import update_and_apply as update_and_apply
 from jmp_lite.transforms import current_loss_scale as current_loss_scale
@@ -77,6 +78,7 @@ __all__ = (
     "StochasticRoundingState",
     "accumulate_gradients",
     "all_finite",
+    "apply_gradients",
     "autocast",
     "autocast_audit",
     "autocast_fp8_state",

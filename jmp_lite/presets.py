@@ -49,8 +49,8 @@ below half an ulp.
 the params: float16 cannot hold Adam's second moment (``0.001 * g**2``
 rounds to zero for gradients below about 5e-3, and the update divides by its
 square root), and with float16 moments models that train in float32 blow up
-within a few steps. bfloat16 has float32's exponent range; only storage is bfloat16, the
-arithmetic is float32, so this needs no bfloat16 hardware.
+within a few steps. bfloat16 has float32's exponent range; only storage is
+bfloat16, the arithmetic is float32, so this needs no bfloat16 hardware.
 """
 
 from __future__ import annotations

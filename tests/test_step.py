@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -672,3 +674,78 @@ def test_docs_float32_to_loss_scaled_is_two_lines():
              if line.startswith("+") and not line.startswith("+++")]
   assert len(changed) == 2, changed
   assert "loss_scaled" in changed[0] and "scaled_value_and_grad" in changed[1]
+
+
+# -- Flax TrainState ----------------------------------------------------------
+
+def _train_state(level, half):
+  """A Flax-example-style TrainState (with batch_stats) under a preset."""
+  from flax.training import train_state
+
+  from jmp_lite.presets import preset
+
+  class TrainState(train_state.TrainState):
+    batch_stats: Any
+
+  p = preset(level, half=half)
+  params = jax.tree.map(lambda x: x.astype(p.policy.param_dtype), _params())
+  tx = p.optimizer(_inner())
+  stats = {"mean": jnp.zeros((5,), jnp.float32)}
+  return TrainState.create(apply_fn=None, params=params, tx=tx,
+                           batch_stats=stats), p
+
+
+def _state_grads(state, x, y):
+  scale = jmp_lite.current_loss_scale(state.opt_state)
+  return jax.grad(lambda p: scale.scale(_loss(p, x, y)))(state.params)
+
+
+@pytest.mark.parametrize("level,half", [("O1", "f16"), ("O2", "bf16"),
+                                        ("O3", "bf16"), ("O3", "f16")])
+def test_apply_gradients_is_the_train_state_method_through_one_cond(level,
+                                                                    half):
+  ours, _ = _train_state(level, half)
+  theirs = ours
+  stats = {"mean": jnp.arange(5.0)}
+  batches = _batches(6)
+  method = jax.jit(lambda s, g: s.apply_gradients(grads=g, batch_stats=stats))
+  helper = jax.jit(lambda s, g: jmp_lite.apply_gradients(s, grads=g,
+                                                         batch_stats=stats),
+                   donate_argnums=0)
+  for i, (x, y) in enumerate(batches):
+    grads = _state_grads(theirs, x, y)
+    if i == 2:  # A non-finite step: skipped, the step count still moves.
+      grads = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads)
+    before = jax.tree.map(jnp.copy, ours.params)
+    theirs = method(theirs, grads)
+    ours = helper(ours, grads)
+    chex.assert_trees_all_close(ours.params, theirs.params,
+                                rtol=1e-2 if level == "O3" else 1e-6)
+    chex.assert_trees_all_equal_dtypes(ours.params, theirs.params)
+    assert int(ours.step) == int(theirs.step) == i + 1
+    chex.assert_trees_all_equal(ours.batch_stats, stats)
+    if i == 2:
+      chex.assert_trees_all_equal(ours.params, before)
+  guard = jmp_lite.loss_scaled_state(ours.opt_state)
+  assert int(guard.total_skips) == 1
+  if jax.default_backend() == "cpu":  # skip_with="auto" takes the cond here.
+    assert jmp_lite.step.formulation(ours.opt_state)[0] == "cond"
+
+
+def test_apply_gradients_never_recompiles_and_checks_its_input():
+  state, _ = _train_state("O1", "f16")
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x, y):
+    return jmp_lite.apply_gradients(state, grads=_state_grads(state, x, y))
+
+  for x, y in _batches(4):
+    state = step(state, x, y)
+  assert int(state.step) == 4
+  with pytest.raises(TypeError,
+                     match="dict has no tx, params, opt_state, step, replace"):
+    jmp_lite.apply_gradients(_params(), grads=_params())
+  with pytest.raises(ValueError, match="_overwrite_with_gradient"):
+    jmp_lite.apply_gradients(
+        state, grads={"params": _params(), "_overwrite_with_gradient": {}})
