@@ -40,7 +40,11 @@ __all__ = ["GradientHealth", "Misaligned", "NonfiniteOrigin",
 
 
 class PrecisionWarning(UserWarning):
-  """A half-precision dtype that the device runs slowly or not at all."""
+  """A half-precision choice that is slow, unsupported or numerically unsafe.
+
+  Raised for dtypes the device runs slowly or not at all, and for optimizer
+  state stored in float16 (:func:`jmp_lite.state_dtypes`).
+  """
 
 
 def tree_bytes(tree: Any) -> int:

@@ -25,6 +25,7 @@ kernel: no random array is materialised and no key is passed per call.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -36,6 +37,7 @@ import optax
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.accumulation import AccumulateState
+from jmp_lite.diagnostics import PrecisionWarning
 from jmp_lite.path_rules import path_string
 from jmp_lite.transforms import LossScaledState, SkipNonfiniteState
 
@@ -536,6 +538,11 @@ def state_dtypes(
     ``optax.adam``) gives the dtype; unmatched leaves stay as ``inner``
     makes them.
 
+  Prefer bfloat16 to float16 for storage, whatever the params' dtype:
+  float16 cannot hold a second moment (squared gradients underflow, and
+  Adam divides by their square root), so a float16 storage dtype warns
+  (:class:`~jmp_lite.PrecisionWarning`).
+
   The updates are float32 for half-precision params: wrap this in
   :func:`kahan_summation` or :func:`stochastic_rounding` to apply them
   without losing what rounds away. Nearest rounding of a bfloat16 ``nu``
@@ -575,6 +582,15 @@ def state_dtypes(
   """
   _check_inner(inner, "state_dtypes")
   rules = _parse_dtypes(dtypes)
+  chosen = ([d for _, _, d in rules] if isinstance(rules, list) else [rules])
+  if np.dtype(jnp.float16) in chosen:
+    warnings.warn(
+        "state_dtypes: storing optimizer state in float16. float16 cannot"
+        " hold Adam-style second moments: 0.001 * g**2 rounds to 0 for"
+        " gradients below about 5e-3, and the update, divided by its square"
+        " root, grows many times too large. Store moments in 'bf16' (float32's"
+        " range; any params' dtype), as preset('O3') does.",
+        PrecisionWarning, stacklevel=2)
   if rounding not in _ROUNDINGS:
     raise ValueError(
         f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")

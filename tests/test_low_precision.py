@@ -6,6 +6,7 @@ import pickle
 import re
 import subprocess
 import sys
+import warnings
 
 import chex
 import jax
@@ -264,8 +265,9 @@ def test_state_dtypes_one_dtype_stores_arrays_not_scalars():
 
 def test_state_dtypes_mapping_fullmatch_unmatched_stay_and_strict():
   params = {"w": jnp.ones(4, jnp.bfloat16)}
-  opt = jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16",
-                                                 "0/nu/w": "f16"})
+  with pytest.warns(jmp_lite.PrecisionWarning):  # float16 storage.
+    opt = jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16",
+                                                   "0/nu/w": "f16"})
   adam = opt.init(params).inner_state[0]
   assert_dtype(adam.mu["w"], jnp.bfloat16)
   assert_dtype(adam.nu["w"], jnp.float16)
@@ -281,6 +283,18 @@ def test_state_dtypes_mapping_fullmatch_unmatched_stay_and_strict():
                      match=r"pattern\(s\) \['mu'\] matched no floating state"
                      r" leaf; the floating leaves are \['0/mu/w', '0/nu/w'\]"):
     strict.init(params)
+
+
+def test_state_dtypes_warns_for_float16_storage():
+  with pytest.warns(jmp_lite.PrecisionWarning, match="'bf16'"):
+    jmp_lite.state_dtypes(optax.adam(1e-3), "f16")
+  with pytest.warns(jmp_lite.PrecisionWarning, match="second moments"):
+    jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16",
+                                             ".*/nu/.*": jnp.float16})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_lite.state_dtypes(optax.adam(1e-3), "bf16")
+    jmp_lite.state_dtypes(optax.adam(1e-3), {".*/mu/.*": "bf16"})
 
 
 def test_state_dtypes_computes_in_float32():

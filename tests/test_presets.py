@@ -85,8 +85,9 @@ def test_o3_float16_moves_like_float32_adam_on_tiny_gradients(compensation):
   # float32 Adam: every step moves by lr (mu_hat / sqrt(nu_hat) = 1).
   np.testing.assert_allclose(np.asarray(p["w"], np.float32),
                              1.0 - steps * lr, atol=3e-3)
-  half_moments = jmp_lite.state_dtypes(
-      jmp_lite.loss_scaled(optax.adam(lr), o3.loss_scale()), "f16")
+  with pytest.warns(jmp_lite.PrecisionWarning, match="second moments"):
+    half_moments = jmp_lite.state_dtypes(
+        jmp_lite.loss_scaled(optax.adam(lr), o3.loss_scale()), "f16")
   _, last_move = run(jmp_lite.kahan_summation(half_moments))
   assert last_move > 4 * lr  # What storing the moments in bfloat16 avoids.
 
