@@ -22,9 +22,9 @@ from tests.models.harness import O3_SETTINGS
 from tests.models.test_real_models import _float32_losses, CASES
 
 PAIRS = ([(name, "O3") for name in CASES]
-         + [(name, "O3-sr") for name in ("linen_resnet", "nnx_cnn",
+         + [(name, "O3-sr") for name in ("linen_tagger", "nnx_cnn",
                                          "eqx_mlp")]
-         + [(name, "O3-f16") for name in ("linen_resnet", "nnx_cnn",
+         + [(name, "O3-f16") for name in ("linen_tagger", "nnx_cnn",
                                           "eqx_mlp")])
 
 
