@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -312,7 +312,7 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
         "apply_gradients expects a train state (flax.training.train_state."
         f"TrainState or alike); {type(state).__name__} has no"
         f" {', '.join(missing)}")
-  if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
+  if isinstance(grads, Mapping) and "_overwrite_with_gradient" in grads:
     raise ValueError(
         "apply_gradients: grads hold Flax's '_overwrite_with_gradient'"
         " collection, which only TrainState.apply_gradients handles; call the"
