@@ -7,16 +7,6 @@ them (``tests/models/*_models.py``), or shipped by a package
 convolution in the loss and its gradient, of params, gradients, optimizer
 state and outputs, and trains with a donated jitted step; the losses must
 track float32's.
-
-The pure half-precision settings (``O3``: half params with float32 norm
-islands, no float32 master copy, Adam's moments stored in bfloat16, the
-params updated with Kahan summation or stochastic rounding, one
-:func:`jmp_lite.update_and_apply` per step) also check the moments' and
-Kahan buffers' dtypes. Every model runs under ``O3``; stochastic rounding
-and float16 params run on one model per framework, float16 including the
-two that blew up while the preset stored float16 params' moments in
-float16. ``nnx_tied_lm`` has no float16 run: XLA:CPU cannot compile nnx's
-float16 attention.
 """
 
 from __future__ import annotations
@@ -30,13 +20,7 @@ import pytest
 
 import jmp_lite.linen as jl
 from tests.models import harness
-from tests.models.harness import (
-  Case,
-  cross_entropy,
-  island_paths,
-  O3_SETTINGS,
-  SETTINGS,
-)
+from tests.models.harness import Case, cross_entropy, island_paths, SETTINGS
 
 SETTING_NAMES = list(SETTINGS)
 
@@ -249,22 +233,6 @@ def test_model_under_policy(name, setting):
   else:
     losses = harness.check(build(SETTINGS[setting]), SETTINGS[setting],
                            matmuls=matmuls)
-  harness.assert_trains_like_float32(losses, reference)
-
-
-PURE_HALF = ([(name, "O3") for name in CASES]
-             + [(name, "O3-sr") for name in ("linen_tagger", "nnx_cnn",
-                                             "eqx_mlp")]
-             + [(name, "O3-f16") for name in ("linen_tagger", "nnx_cnn",
-                                              "eqx_mlp")])
-
-
-@pytest.mark.parametrize("name,setting", PURE_HALF)
-def test_model_in_pure_half_precision(name, setting):
-  build, matmuls = CASES[name]
-  reference = _float32_losses(name)
-  losses = harness.check(build(O3_SETTINGS[setting]), O3_SETTINGS[setting],
-                         matmuls=matmuls)
   harness.assert_trains_like_float32(losses, reference)
 
 
