@@ -36,7 +36,7 @@ def _scale(kind):
 
 
 @pytest.fixture(scope="module", params=["digits", "char_lm"])
-def task(request):
+def task(request, optimized_codegen):
   train = {"digits": examples.train_digits,
            "char_lm": examples.train_char_lm}[request.param]
   return request.param, train, train("f32")
@@ -67,7 +67,7 @@ PURE_BF16 = {"lr": 3e-4, "steps": 300}
 
 
 @pytest.fixture(scope="module", params=["digits", "char_lm"])
-def pure_bf16(request):
+def pure_bf16(request, optimized_codegen):
   train = {"digits": examples.train_digits,
            "char_lm": examples.train_char_lm}[request.param]
   return (request.param, train, train("f32", **PURE_BF16),

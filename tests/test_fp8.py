@@ -609,7 +609,7 @@ FIDELITY_TASKS = {"digits": digits_task, "char_lm": char_lm_task}
 
 
 @pytest.fixture(scope="module", params=list(FIDELITY_TASKS))
-def fidelity_task(request):
+def fidelity_task(request, optimized_codegen):
   if request.param == "digits":
     pytest.importorskip("sklearn")
   task = FIDELITY_TASKS[request.param]
