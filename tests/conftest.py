@@ -47,7 +47,7 @@ def multidevice_env(devices: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def optimized_codegen():
-  """Compiles every ``jax.jit`` of the module at full optimisation level.
+  """Compiles every ``jax.jit`` of the module at XLA's default level (3).
 
   For the tests that train for hundreds of steps (fidelity runs), whose
   kernels run long enough that LLVM's optimisation pays for itself (the
@@ -58,7 +58,7 @@ def optimized_codegen():
   jit = jax.jit
 
   def full_codegen_jit(*args, **kwargs):
-    options = {"xla_backend_optimization_level": 2,
+    options = {"xla_backend_optimization_level": 3,
                **(kwargs.pop("compiler_options", None) or {})}
     return jit(*args, compiler_options=options, **kwargs)
 
