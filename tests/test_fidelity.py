@@ -8,13 +8,23 @@ Pure bfloat16 (params *and* Adam's moments in bfloat16, no float32 copy)
 must reach float32's evaluation loss within 2% with Kahan summation and with
 stochastic rounding (moments computed in float32 by ``state_dtypes``), at 8
 and 6 bytes per parameter, while plain pure bfloat16 falls visibly behind in
-the same run. These runs use Adam at 3e-4 for 300 steps on both tasks: at
-that rate most updates are below half a bfloat16 ulp of their params, which
-is where plain rounding loses them (at the tasks' default 3e-3 the gap is
-small).
+the same run.
+
+Every run here uses Adam at 3e-4 for 300 steps (``SETTINGS``). At that rate
+most updates are below half a bfloat16 ulp of their params, which is where
+plain rounding loses them (at the tasks' default 3e-3 the gap is small). It
+is also where a one-seed comparison measures precision rather than chaos: at
+the digits task's default (3e-3, 400 steps, held-out loss 0.025-0.16 by
+seed) two runs that differ only in rounding end up to 15% apart, better or
+worse by seed (seeds 0-5: bfloat16 compute 0.96-1.08x float32, float16 +
+dynamic scaling 0.96-1.05x, O2 0.85-1.05x), so a 2% bound there tests the
+trajectory, not the arithmetic; at 3e-4 / 300 steps those three recipes stay
+within 0.6% of float32 on each of the six seeds.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -35,10 +45,23 @@ def _scale(kind):
   return jmp_lite.DynamicLossScale(2.0**15) if kind == "dynamic" else None
 
 
+def _report(task_name, run, result, ref):
+  """Prints a run against float32 (``pytest -s``: the README's numbers)."""
+  print(f"\nfidelity {task_name} {run}: eval loss {result.eval_loss:.4f}"
+        f" ({result.eval_loss / ref.eval_loss:.3f}x float32"
+        f" {ref.eval_loss:.4f}), accuracy {result.accuracy:.3f},"
+        f" skipped {result.skipped}")
+
+
+SETTINGS = {"lr": 3e-4, "steps": 300}
+
+
 @pytest.fixture(scope="module", params=["digits", "char_lm"])
 def task(request, optimized_codegen):
-  train = {"digits": examples.train_digits,
-           "char_lm": examples.train_char_lm}[request.param]
+  """(name, train with ``SETTINGS``, float32 result) of one task."""
+  train = functools.partial({"digits": examples.train_digits,
+                             "char_lm": examples.train_char_lm}[request.param],
+                            **SETTINGS)
   return request.param, train, train("f32")
 
 
@@ -47,6 +70,7 @@ def test_mixed_precision_matches_float32(task, name):
   task_name, train, ref = task
   policy, scale, master = MIXED[name]
   result = train(policy, _scale(scale), master=master)
+  _report(task_name, name, result, ref)
   assert result.skipped <= 3, result.skipped
   assert np.isfinite(result.eval_loss)
   assert result.eval_loss <= 1.02 * ref.eval_loss, (
@@ -55,23 +79,20 @@ def test_mixed_precision_matches_float32(task, name):
 
 
 def test_pure_float16_without_loss_scaling_fails(task):
-  _, train, ref = task
+  task_name, train, ref = task
   result = train("f16", jmp_lite.NoOpLossScale())
+  _report(task_name, "pure-f16-unscaled", result, ref)
   failed = (not np.isfinite(result.eval_loss)
             or result.eval_loss > 1.5 * ref.eval_loss)
   assert failed, (result.eval_loss, ref.eval_loss)
   assert result.skipped > 0 or not np.isfinite(result.losses).all()
 
 
-PURE_BF16 = {"lr": 3e-4, "steps": 300}
-
-
-@pytest.fixture(scope="module", params=["digits", "char_lm"])
-def pure_bf16(request, optimized_codegen):
-  train = {"digits": examples.train_digits,
-           "char_lm": examples.train_char_lm}[request.param]
-  return (request.param, train, train("f32", **PURE_BF16),
-          train("bf16", **PURE_BF16))
+@pytest.fixture(scope="module")
+def pure_bf16(task):
+  """``task`` plus plain pure bfloat16's result (no compensation)."""
+  name, train, ref = task
+  return name, train, ref, train("bf16")
 
 
 @pytest.mark.parametrize("compensation,max_bytes", [("kahan", 8.1),
@@ -80,7 +101,8 @@ def test_pure_bf16_with_compensation_matches_float32(pure_bf16, compensation,
                                                      max_bytes):
   task_name, train, ref, _ = pure_bf16
   result = train("bf16", optimizer=examples.low_precision_optimizer(
-      compensation, "bf16"), **PURE_BF16)
+      compensation, "bf16"))
+  _report(task_name, f"pure-bf16-{compensation}", result, ref)
   assert result.skipped == 0
   assert result.eval_loss <= 1.02 * ref.eval_loss, (
       task_name, compensation, result.eval_loss, ref.eval_loss)
@@ -94,6 +116,7 @@ def test_pure_bf16_with_compensation_matches_float32(pure_bf16, compensation,
 
 def test_plain_pure_bf16_falls_behind(pure_bf16):
   task_name, _, ref, plain = pure_bf16
+  _report(task_name, "pure-bf16-plain", plain, ref)
   assert plain.skipped == 0
   assert plain.eval_loss > 1.04 * ref.eval_loss, (
       task_name, plain.eval_loss, ref.eval_loss)

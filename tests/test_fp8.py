@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import subprocess
 import sys
@@ -448,6 +449,13 @@ def test_quantization_health_counts_saturation_flush_and_subnormals():
 FIDELITY_RECIPES = {"current": fp8.CurrentScaling(),
                     "delayed": fp8.DelayedScaling(history=16)}
 
+# Adam 3e-4 for 300 steps, as tests/test_fidelity.py (whose docstring has the
+# measurement): at the tasks' default 3e-3 the digits' held-out loss of two
+# runs that differ only in rounding lands up to 18% apart, either way, by
+# seed (FP8 against bfloat16, seeds 0-5: 0.93-1.18x), so a 2% bound there
+# tests the trajectory; at 3e-4 both recipes stay within 0.6% on seeds 0-4.
+FIDELITY_SETTINGS = {"lr": 3e-4, "steps": 300}
+
 
 def fit_delayed(model, params, fp8_state, loss_of, batches, evaluate, *,
                 steps, lr):
@@ -612,7 +620,7 @@ FIDELITY_TASKS = {"digits": digits_task, "char_lm": char_lm_task}
 def fidelity_task(request, optimized_codegen):
   if request.param == "digits":
     pytest.importorskip("sklearn")
-  task = FIDELITY_TASKS[request.param]
+  task = functools.partial(FIDELITY_TASKS[request.param], **FIDELITY_SETTINGS)
   return request.param, task, task(None)
 
 
