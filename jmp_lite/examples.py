@@ -285,7 +285,9 @@ def python_docs_text(n_chars: int = 20_000) -> str:
     n_chars: how many characters to return.
 
   Returns:
-    The text: topics concatenated in sorted-key order (deterministic).
+    The text: topics concatenated in sorted-key order (deterministic for
+    one Python version; each CPython release bundles its own text, so the
+    char-LM's losses differ between Python versions).
   """
   from pydoc_data.topics import topics
   return "\n".join(topics[k] for k in sorted(topics))[:n_chars]
