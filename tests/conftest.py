@@ -67,6 +67,14 @@ def optimized_codegen():
     yield
 
 
+# The training settings of every test that compares a recipe's held-out loss
+# with a reference's (tests/test_fidelity.py, the FP8 fidelity runs): Adam
+# 3e-4 for 300 steps. At the tasks' default 3e-3 two digits runs that differ
+# only in rounding end up 0.85-1.18x apart by seed, so a 2% bound there
+# tests the trajectory; here they stay within 0.6% (tests/test_fidelity.py's
+# docstring has the measurement).
+FIDELITY_SETTINGS = {"lr": 3e-4, "steps": 300}
+
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 FLOAT_DTYPE_IDS = ["f32", "bf16", "f16"]
 

@@ -10,9 +10,10 @@ stochastic rounding (moments computed in float32 by ``state_dtypes``), at 8
 and 6 bytes per parameter, while plain pure bfloat16 falls visibly behind in
 the same run.
 
-Every run here uses Adam at 3e-4 for 300 steps (``SETTINGS``). At that rate
-most updates are below half a bfloat16 ulp of their params, which is where
-plain rounding loses them (at the tasks' default 3e-3 the gap is small). It
+Every run here uses Adam at 3e-4 for 300 steps (``FIDELITY_SETTINGS``, shared
+with the FP8 fidelity runs). At that rate most updates are below half a
+bfloat16 ulp of their params, which is where plain rounding loses them (at
+the tasks' default 3e-3 the gap is small). It
 is also where a one-seed comparison measures precision rather than chaos: at
 the digits task's default (3e-3, 400 steps, held-out loss 0.025-0.16 by
 seed) two runs that differ only in rounding end up to 15% apart, better or
@@ -31,6 +32,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite import examples
+from tests.conftest import FIDELITY_SETTINGS
 
 pytest.importorskip("sklearn")
 
@@ -53,15 +55,12 @@ def _report(task_name, run, result, ref):
         f" skipped {result.skipped}")
 
 
-SETTINGS = {"lr": 3e-4, "steps": 300}
-
-
 @pytest.fixture(scope="module", params=["digits", "char_lm"])
 def task(request, optimized_codegen):
-  """(name, train with ``SETTINGS``, float32 result) of one task."""
+  """(name, train with ``FIDELITY_SETTINGS``, float32 result) of one task."""
   train = functools.partial({"digits": examples.train_digits,
                              "char_lm": examples.train_char_lm}[request.param],
-                            **SETTINGS)
+                            **FIDELITY_SETTINGS)
   return request.param, train, train("f32")
 
 

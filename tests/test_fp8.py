@@ -16,7 +16,12 @@ from jax.extend import core as jex
 
 import jmp_lite
 from jmp_lite import fp8
-from tests.conftest import assert_dtype, FLOAT_DTYPE_IDS, FLOAT_DTYPES
+from tests.conftest import (
+  assert_dtype,
+  FIDELITY_SETTINGS,
+  FLOAT_DTYPE_IDS,
+  FLOAT_DTYPES,
+)
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -448,13 +453,6 @@ def test_quantization_health_counts_saturation_flush_and_subnormals():
 
 FIDELITY_RECIPES = {"current": fp8.CurrentScaling(),
                     "delayed": fp8.DelayedScaling(history=16)}
-
-# Adam 3e-4 for 300 steps, as tests/test_fidelity.py (whose docstring has the
-# measurement): at the tasks' default 3e-3 the digits' held-out loss of two
-# runs that differ only in rounding lands up to 18% apart, either way, by
-# seed (FP8 against bfloat16, seeds 0-5: 0.93-1.18x), so a 2% bound there
-# tests the trajectory; at 3e-4 both recipes stay within 0.6% on seeds 0-4.
-FIDELITY_SETTINGS = {"lr": 3e-4, "steps": 300}
 
 
 def fit_delayed(model, params, fp8_state, loss_of, batches, evaluate, *,

@@ -11,7 +11,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite import fp8
-from tests.conftest import assert_dtype
+from tests.conftest import assert_dtype, FIDELITY_SETTINGS
 from tests.test_fp8 import dot_operand_dtypes
 
 CURRENT = fp8.CurrentScaling()
@@ -230,11 +230,8 @@ def test_option_validation(kwargs, error, match):
 def test_autocast_fp8_trains_the_digits_mlp_like_bf16():
   # Fidelity through autocast: the digits MLP written in float32, trained
   # with examples.fit under autocast(bf16) and autocast(bf16, fp8=current)
-  # with the first and last layers kept out by their module names. Adam 3e-4
-  # for 300 steps, as tests/test_fidelity.py: at 3e-3 / 400 steps two runs
-  # that differ only in rounding land several percent apart on the digits'
-  # held-out loss, either way, by seed, which a 2% bound cannot tell from
-  # precision.
+  # with the first and last layers kept out by their module names, at
+  # FIDELITY_SETTINGS (conftest says why).
   pytest.importorskip("sklearn")
   nn = pytest.importorskip("flax.linen")
   from jmp_lite import examples
@@ -271,7 +268,7 @@ def test_autocast_fp8_trains_the_digits_mlp_like_bf16():
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_te)
       return loss.mean(), jnp.mean(jnp.argmax(logits, -1) == y_te)
 
-    return examples.fit(params, loss_fn, batches, steps=300, lr=3e-4,
+    return examples.fit(params, loss_fn, batches, **FIDELITY_SETTINGS,
                         loss_scale=jmp_lite.NoOpLossScale(), master=False,
                         eval_fn=evaluate)
 
