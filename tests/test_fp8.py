@@ -481,8 +481,11 @@ def fit_delayed(model, params, fp8_state, loss_of, batches, evaluate, *,
   return evaluate(params, fp8_state)
 
 
-def digits_task(recipe, steps=400, batch=128, width=128, lr=3e-3, seed=0):
-  """Held-out (loss, accuracy) of the digits MLP; ``recipe=None``: bf16."""
+def digits_task(recipe, *, steps, lr, batch=128, width=128, seed=0):
+  """Held-out (loss, accuracy) of the digits MLP; ``recipe=None``: bf16.
+
+  ``steps`` and ``lr``: ``FIDELITY_SETTINGS`` (conftest says why).
+  """
   import flax.linen as nn
 
   import jmp_lite.fp8.linen as fp8_linen
@@ -532,9 +535,11 @@ def digits_task(recipe, steps=400, batch=128, width=128, lr=3e-3, seed=0):
   return result.eval_loss, result.accuracy
 
 
-def char_lm_task(recipe, steps=300, seq=32, batch=32, dim=64, lr=3e-3,
-                 seed=0):
-  """Held-out (loss, accuracy) of the one-block char Transformer."""
+def char_lm_task(recipe, *, steps, lr, seq=32, batch=32, dim=64, seed=0):
+  """Held-out (loss, accuracy) of the one-block char Transformer.
+
+  ``steps`` and ``lr``: ``FIDELITY_SETTINGS`` (conftest says why).
+  """
   import flax.linen as nn
   import optax
 
