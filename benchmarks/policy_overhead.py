@@ -21,8 +21,9 @@ Flax's examples do):
   abstractly: nothing is run), and how far its gradients move;
 * the time to lower (trace) the loss and gradient of a 12-layer Transformer
   under the policy, against the same model with Flax ``dtype=`` by hand: the
-  first lowering, and later ones (the policy remembers each shape's module
-  classes).
+  first lowering, and later ones (inside a trace the policy's ``apply`` is a
+  nested ``jax.jit`` that later traces reuse; ``cache_traces=False``, also
+  measured, traces every call afresh).
 
 Run: ``python benchmarks/policy_overhead.py`` (``--help`` for sizes).
 """
@@ -189,9 +190,13 @@ def lowering_seconds(layers: int = 12, d: int = 256, seq: int = 128,
   """
   x = jnp.ones((batch, seq, d), jnp.float32)
   ours = jl.mixed_precision(Transformer(layers), "p=f32,c=bf16,o=f32")
+  uncached = jl.mixed_precision(Transformer(layers), "p=f32,c=bf16,o=f32",
+                                cache_traces=False)
   hand = Transformer(layers, dtype=jnp.bfloat16, norm_dtype=jnp.float32)
   params = jax.eval_shape(hand.init, jax.random.key(0), x)["params"]
-  fns = {"jmp_lite policy": ours.apply, "flax dtype= by hand": hand.apply}
+  fns = {"jmp_lite policy": ours.apply,
+         "jmp_lite policy, cache_traces=False": uncached.apply,
+         "flax dtype= by hand": hand.apply}
 
   def lower(apply) -> tuple[float, float]:
     f = lambda p: jax.value_and_grad(

@@ -279,6 +279,12 @@ class _Memo:
   def __init__(self) -> None:
     self.classes: dict[Any, tuple[dict[Path, type], set[Path]]] = {}
     self.lock = threading.Lock()
+    # Keys of traced applies whose outputs were not all arrays: those run
+    # uncached from then on.
+    self.uncacheable: set[Any] = set()
+    # Traced applies, one per key (see `_traced_apply`): JAX's own trace
+    # cache, which also keeps the linearisation and transpose of each.
+    self.apply = jax.jit(_apply_arrays, static_argnums=0)
 
   def __eq__(self, other: object) -> bool:
     return isinstance(other, _Memo)
@@ -309,6 +315,79 @@ def _aval_key(tree: Any) -> Any:
   return treedef, tuple(key)
 
 
+
+class _NotArrays(Exception):
+  """Raised inside a cached trace whose output holds a non-array leaf."""
+
+
+def _apply_arrays(spec: tuple, dynamic: list[Any]) -> Any:
+  """``apply`` rebuilt from a :func:`_traced_apply` key and the arrays."""
+  model, method, treedef, where, static, _ = spec
+  arrays, statics = iter(dynamic), iter(static)
+  leaves = [next(arrays) if is_array else next(statics) for is_array in where]
+  variables, args, kwargs = jax.tree.unflatten(treedef, leaves)
+  out = nn.Module.apply(model, variables, *args, method=model._method(method),
+                        **kwargs)
+  if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(out)):
+    raise _NotArrays  # A Python value would come back as an array.
+  return out
+
+
+def _interceptors_active() -> bool:
+  """Whether a ``nn.intercept_methods`` context is open (unknown: True)."""
+  stack = getattr(nn.module, "_global_interceptor_stack", None)
+  return stack is None or len(stack) > 0
+
+
+_UNCACHED = object()
+
+
+def _traced_apply(model: MixedPrecision, variables: Any, args: tuple,
+                  method: Any, kwargs: dict) -> Any:
+  """``model.apply`` through a traced program reused per shapes and statics.
+
+  Inside a trace (``jax.jit``, ``grad``, ``vmap``...), the policy's apply is
+  a nested ``jax.jit`` keyed by the model, ``method``, the arguments' tree
+  structure and Python values, and Flax's logical axis rules; JAX keys it on
+  the arrays' shapes and dtypes. A later trace with the same key (a new
+  ``jax.jit`` of an eval step, a re-jit in a notebook) reuses the model's
+  traced program, and JAX's cached linearisation and transpose of it,
+  instead of running Flax's method interception again. XLA inlines the
+  nested call, so the compiled step is the same.
+
+  Returns ``_UNCACHED`` (the caller runs the plain apply) outside any trace
+  (eager calls stay op by op), while a Flax method interceptor is open (its
+  effects are not part of any key), for an unhashable Python argument or one
+  that is not a ``jax.Array`` but an array (a NumPy array stays a constant),
+  and for a model whose output holds a non-array leaf.
+  """
+  leaves, treedef = jax.tree.flatten((variables, args, kwargs))
+  if not any(map(_jaxpr.is_tracer, leaves)):
+    return _UNCACHED
+  if _interceptors_active():
+    return _UNCACHED
+  where = tuple(isinstance(x, jax.Array) for x in leaves)
+  static = tuple(x for x, is_array in zip(leaves, where, strict=True)
+                 if not is_array)
+  # Types too: `train=1` and `train=True` are equal and hash alike.
+  spec = (model, method, treedef, where, static,
+          (tuple(map(type, static)), nn.get_logical_axis_rules()))
+  try:
+    hash(spec)
+  except TypeError:
+    return _UNCACHED
+  with model.memo.lock:
+    if spec in model.memo.uncacheable:
+      return _UNCACHED
+  dynamic = [x for x, is_array in zip(leaves, where, strict=True) if is_array]
+  try:
+    return model.memo.apply(spec, dynamic)
+  except _NotArrays:
+    with model.memo.lock:
+      model.memo.uncacheable.add(spec)
+    return _UNCACHED
+
+
 def _call_method(method: Any) -> Callable[..., Any]:
   """``method`` (None, a name, or a function of the module) as a function."""
   if method is None:
@@ -336,11 +415,14 @@ class MixedPrecision(nn.Module):
     rule_set: the default policy and the rules.
     remat_norms: recompute float32 normalisation islands in the backward pass
       instead of saving their float32 internals.
+    cache_traces: inside a trace, run ``apply`` as a nested ``jax.jit`` that
+      later traces with the same shapes and Python arguments reuse.
   """
 
   module: nn.Module
   rule_set: _rules.RuleSet
   remat_norms: bool = False
+  cache_traces: bool = True
   memo: _Memo = dataclasses.field(default_factory=_Memo)
 
   def setup(self) -> None:
@@ -494,6 +576,10 @@ class MixedPrecision(nn.Module):
     Returns:
       What the wrapped module's ``apply`` returns.
     """
+    if self.cache_traces:
+      out = _traced_apply(self, variables, args, method, kwargs)
+      if out is not _UNCACHED:
+        return out
     return super().apply(variables, *args, method=self._method(method),
                          **kwargs)
 
@@ -539,6 +625,7 @@ def mixed_precision(
     strict: bool = False,
     enabled: bool = True,
     remat_norms: bool = False,
+    cache_traces: bool = True,
 ) -> MixedPrecision:
   """Puts a ``flax.linen`` module under a precision policy.
 
@@ -563,6 +650,16 @@ def mixed_precision(
       pass (``nn.remat``) instead of saving their float32 intermediates: the
       residuals a half-precision model keeps for the backward pass shrink to
       about half of float32's, for one more normalisation per layer.
+    cache_traces: inside a trace (``jax.jit``, ``grad``...), ``apply`` runs
+      as a nested ``jax.jit`` keyed by the model, ``method``, the arguments'
+      shapes, dtypes and Python values and Flax's logical axis rules, so a
+      later trace of the same call (another ``jax.jit`` of an eval step, a
+      re-jit in a notebook) reuses the traced model instead of tracing it
+      again; the compiled step is the same (XLA inlines the call). Like any
+      ``jax.jit``, it assumes the model's Python code is pure: ``False``
+      traces every call afresh. Eager calls, calls inside
+      ``nn.intercept_methods``, unhashable Python arguments, NumPy array
+      arguments and models returning non-array values are never cached.
 
   Returns:
     A :class:`MixedPrecision` module.
@@ -602,8 +699,10 @@ def mixed_precision(
                              enabled=enabled)
   if not isinstance(remat_norms, bool):
     raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
+  if not isinstance(cache_traces, bool):
+    raise TypeError(f"cache_traces must be a bool, got {cache_traces!r}")
   return MixedPrecision(module=module, rule_set=rule_set,
-                        remat_norms=remat_norms)
+                        remat_norms=remat_norms, cache_traces=cache_traces)
 
 
 def dot_product_attention_fp32(query: jax.Array, key: jax.Array,

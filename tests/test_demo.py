@@ -119,6 +119,7 @@ def test_policy_overhead_benchmark_runs_small():
   assert "jmp_lite policy" in out.stdout and "Residuals" in out.stdout
   assert "bfloat16, remat_norms" in out.stdout
   assert "first lowering" in out.stdout and "later, wall-clock" in out.stdout
+  assert "| jmp_lite policy, cache_traces=False |" in out.stdout
 
 
 def test_autocast_benchmark_runs_small():

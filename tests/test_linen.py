@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -612,3 +613,144 @@ def test_bad_inputs_name_the_value_and_the_fix():
   with pytest.raises(TypeError, match=r"dtype_report expects a"
                      r" jmp_lite.linen.MixedPrecision"):
     jl.dtype_report(CNN(), {}, _images())
+
+
+class Counted(nn.Module):
+  """Counts how often its Python code runs (once per trace when cached)."""
+
+  calls: Any  # A _Calls.
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    self.calls.append(x.shape)
+    x = nn.Dense(8, dtype=jnp.float32)(x)
+    x = nn.Dropout(0.5, deterministic=not train)(x)
+    return nn.Dense(3)(nn.LayerNorm()(x))
+
+  def with_count(self, x):
+    return self(x), len(self.calls)  # A Python int: never cached.
+
+
+class _Calls:
+  """Shapes seen by :class:`Counted` (Flax would freeze a list field)."""
+
+  def __init__(self):
+    self.shapes = []
+
+  def append(self, shape):
+    self.shapes.append(shape)
+
+  def clear(self):
+    self.shapes.clear()
+
+  def __len__(self):
+    return len(self.shapes)
+
+  def __getitem__(self, i):
+    return self.shapes[i]
+
+
+def _counted(cache_traces=True):
+  calls = _Calls()
+  model = jl.mixed_precision(Counted(calls), "p=f32,c=bf16,o=f32",
+                             cache_traces=cache_traces)
+  return model, calls
+
+
+@pytest.mark.parametrize("cache_traces", [True, False])
+def test_later_traces_reuse_the_traced_model(cache_traces):
+  """A new ``jax.jit`` of the same call runs the model's Python once."""
+  model, calls = _counted(cache_traces)
+  x = jnp.ones((4, 5))
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  loss = lambda v, x: model.apply(v, x).astype(jnp.float32).sum()
+  # A new function each time, as a notebook re-jit or an eval step is: JAX's
+  # own cache of the outer function cannot help.
+  new_step = lambda: jax.jit(lambda v, x: jax.value_and_grad(loss)(v, x))
+  first = new_step()(variables, x)
+  traced = len(calls)  # Once for the policy's discovery, once to trace.
+  later = [new_step()(variables, x) for _ in range(2)]
+  assert len(calls) == traced + (0 if cache_traces else 2)
+  for r in later:
+    chex.assert_trees_all_equal(r, first)
+  n = len(calls)
+  new_step()(variables, jnp.ones((2, 5)))  # A new shape traces again.
+  assert calls[-1] == (2, 5) and len(calls) > n
+  # The policy holds in the cached program: bf16 matmuls, fp32 output.
+  assert _dot_conv_dtypes(lambda v: model.apply(v, x), variables) == {
+      (np.dtype(jnp.bfloat16),) * 2}
+  assert_dtype(jax.jit(model.apply)(variables, x), jnp.float32)
+
+
+def test_traced_model_equals_the_uncached_one():
+  cached, _ = _counted(True)
+  plain, _ = _counted(False)
+  x = jax.random.normal(jax.random.key(1), (4, 5))
+  variables = jax.jit(plain.init)(jax.random.key(0), x)
+  rngs = {"dropout": jax.random.key(2)}
+  for model in (cached, plain):
+    assert model.cache_traces is (model is cached)
+  outs = [jax.jit(jax.value_and_grad(
+      lambda v, m=m: m.apply(v, x, train=True, rngs=rngs).sum()))(variables)
+          for m in (cached, plain)]
+  chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_cache_keys_python_arguments_and_contexts():
+  """Python flags, interceptors and axis rules are never served stale."""
+  model, calls = _counted()
+  x = jnp.ones((4, 5))
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  rngs = {"dropout": jax.random.key(0)}
+  run = lambda train: jax.jit(
+      lambda v: model.apply(v, x, train=train, rngs=rngs))(variables)
+  first = run(False)
+  n = len(calls)
+  assert bool(jnp.all(run(False) == first)) and len(calls) == n
+  # `train` is a Python value: a new key, and dropout really runs.
+  assert not bool(jnp.all(run(True) == first))
+  assert len(calls) == n + 2  # Its discovery, and its trace.
+  # An interceptor sees every call: nothing comes from the cache.
+  seen = []
+
+  def spy(next_fun, args, kwargs, context):
+    seen.append(type(context.module).__name__)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(spy):
+    run(False)
+  assert "Dense" in seen and len(calls) == n + 3
+  with nn.logical_axis_rules([("batch", None)]):
+    run(False)
+  assert len(calls) == n + 4
+  # Eager calls run op by op every time, as Flax's apply does.
+  model.apply(variables, x)
+  n = len(calls)
+  model.apply(variables, x)
+  model.apply(variables, x)
+  assert len(calls) == n + 2
+
+
+def test_uncacheable_calls_run_as_before():
+  model, calls = _counted()
+  x = jnp.ones((4, 5))
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+
+  def count(v):
+    out, n = model.apply(v, x, method="with_count")
+    assert isinstance(n, int)  # Stays a Python int, not a traced array.
+    return out
+
+  jax.jit(count)(variables)
+  n = len(calls)
+  jax.jit(lambda v: count(v))(variables)
+  assert len(calls) == n + 1  # Traced again: it cannot be cached,
+  assert len(model.memo.uncacheable) == 1  # which was learnt once.
+  # A NumPy argument stays a constant of the trace (not cached).
+  xs = np.ones((4, 5), np.float32)
+  jax.jit(lambda v: model.apply(v, xs))(variables)
+  n = len(calls)
+  jax.jit(lambda v: model.apply(v, xs))(variables)
+  assert len(calls) == n + 1
+  with pytest.raises(TypeError, match=r"cache_traces must be a bool, got 1"):
+    jl.mixed_precision(Counted(_Calls()), "bf16", cache_traces=1)
