@@ -315,7 +315,6 @@ def _aval_key(tree: Any) -> Any:
   return treedef, tuple(key)
 
 
-
 class _NotArrays(Exception):
   """Raised inside a cached trace whose output holds a non-array leaf."""
 
