@@ -2,7 +2,8 @@
 
 Also the one definition of which pytree leaves mixed-precision casts touch
 (:func:`is_floating_array`, :func:`is_inexact_array`) and which they must
-never enter (:func:`is_opaque`): every cast in jmp_lite goes through here.
+never enter (:func:`is_opaque`): every cast in jmp_lite goes through here;
+and :func:`round_to`, rounding that no compiler simplifies away.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 __all__ = ["canonical_name", "cast_floating", "half_dtype", "is_floating_array",
            "is_inexact_array", "is_live_state", "is_opaque", "parse_dtype",
-           "to_floating_dtype"]
+           "round_to", "to_floating_dtype"]
 
 # Canonical short name first: it is what ``str(Policy)`` prints.
 _ALIASES: dict[np.dtype, tuple[str, ...]] = {
@@ -309,3 +310,71 @@ def is_inexact_array(x: Any) -> bool:
   if _is_extended(x.dtype):
     return False
   return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+# The dtypes round_to rounds to and from: IEEE-style formats (an infinity,
+# subnormals), which lax.reduce_precision models exactly in the normal range.
+_IEEE_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16,
+                                           jnp.float32, jnp.float64))
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+  """Rounds ``x`` to the nearest value of ``dtype``, keeping ``x``'s dtype.
+
+  Equal bit for bit to the correctly rounded ``x.astype(dtype).astype(
+  x.dtype)`` (round to nearest even, overflow to infinity, ``dtype``'s
+  subnormals kept, NaN stays NaN), but without the conversion pair, which
+  compilers may delete: XLA:GPU does,
+  under its default ``--xla_allow_excess_precision``, treating the dropped
+  rounding as a free gain in precision. Code whose *point* is that rounding
+  (compensated summation, stochastic rounding, a param pinned to its master
+  copy's rounded value) silently stops working there. ``lax.reduce_precision``
+  survives that simplification; it flushes values below ``dtype``'s smallest
+  normal to zero, so those are rounded to a multiple of ``dtype``'s smallest
+  subnormal here instead (exact: a power-of-two scaling).
+
+  Args:
+    x: a float16, bfloat16, float32 or float64 array.
+    dtype: one of those dtypes, narrower than ``x``'s or holding all of it.
+
+  Returns:
+    ``x``'s values rounded to ``dtype``, in ``x``'s dtype; ``x`` itself when
+    ``dtype`` holds every value of ``x``'s dtype.
+
+  Raises:
+    TypeError: ``x`` or ``dtype`` is not one of those dtypes.
+    ValueError: neither dtype holds the other's values (float16 and
+      bfloat16).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> x = jnp.float32(1.0001)
+    >>> float(jmp_lite.dtypes.round_to(x, jnp.bfloat16))
+    1.0
+    >>> tiny = jmp_lite.dtypes.round_to(jnp.float32(3e-6), jnp.float16)
+    >>> float(tiny) * 2**24  # a float16 subnormal: 50 of its smallest steps
+    50.0
+  """
+  narrow, wide = np.dtype(dtype), np.dtype(getattr(x, "dtype", type(x)))
+  for what, d in (("x", wide), ("dtype", narrow)):
+    if d not in _IEEE_FLOATS:
+      raise TypeError(
+          f"round_to: {what} must be float16, bfloat16, float32 or float64,"
+          f" got {d}")
+  fn, fw = jnp.finfo(narrow), jnp.finfo(wide)
+  if fn.nexp >= fw.nexp and fn.nmant >= fw.nmant:
+    return x  # Every value of x's dtype is a value of dtype.
+  if fn.nexp > fw.nexp or fn.nmant > fw.nmant:
+    raise ValueError(
+        f"round_to: {narrow} is not narrower than x's {wide} (neither holds"
+        " every value of the other), so its values cannot be kept in x's"
+        " dtype")
+  out = jax.lax.reduce_precision(x, exponent_bits=fn.nexp,
+                                 mantissa_bits=fn.nmant)
+  if fn.nexp < fw.nexp:
+    # dtype's subnormals are normal numbers of x's dtype: round them on the
+    # grid of dtype's smallest subnormal (round half to even, like a cast).
+    step = float(fn.smallest_subnormal)
+    tiny = jnp.round(x * (1 / step)) * step
+    out = jnp.where(jnp.abs(x) < float(fn.smallest_normal), tiny, out)
+  return out

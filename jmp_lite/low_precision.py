@@ -259,9 +259,11 @@ def _round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
     out = jax.lax.bitcast_convert_type(raw, jnp.float32)
     return jnp.where(jnp.isnan(x), x, out).astype(dtype)
   # Any other pair (float16's subnormals and narrower exponent included):
-  # between the nearest value and its neighbour on the far side of x.
-  near = x.astype(dtype)
-  near_wide = near.astype(x.dtype)
+  # between the nearest value and its neighbour on the far side of x. The
+  # nearest value comes from round_to: a cast pair there would be deleted
+  # by XLA:GPU, leaving err == 0 and plain round-to-nearest.
+  near_wide = _dtypes.round_to(x, dtype)
+  near = near_wide.astype(dtype)
   err = x - near_wide
   toward = jnp.where(err > 0, jnp.inf, -jnp.inf).astype(dtype)
   other = jnp.nextafter(near, toward)
@@ -363,7 +365,9 @@ def kahan_summation(
     wide = _wide(p, u)
     p_wide, u_wide = p.astype(wide), u.astype(wide)
     s = p_wide + (u_wide + c.astype(wide))
-    new_wide = s.astype(p.dtype).astype(wide)
+    # Not s.astype(p.dtype).astype(wide): XLA:GPU deletes that pair, and
+    # the compensation would stay zero (round_to's docstring).
+    new_wide = _dtypes.round_to(s, p.dtype)
     # |s - new| <= half an ulp of new: exact in float32, rounded into c.
     moved = u_wide != 0
     new_c = jnp.where(moved, (s - new_wide).astype(c.dtype), c)

@@ -69,7 +69,9 @@ def _param_update(new_master: Any, old_master: Any, update: Any,
   # lands within one rounding, and the next step that moves that master
   # element, computed against the param as it is, closes the gap.
   wide = jnp.promote_types(param.dtype, jnp.float32)
-  target = new_master.astype(param.dtype).astype(wide)
+  # round_to, not a cast pair, which XLA:GPU deletes: the delta would then
+  # be rounded twice on its way into the param.
+  target = _dtypes.round_to(new_master, param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
   moved = (new_master != old_master) & (target != current)
   delta = jnp.where(moved, target - current, jnp.asarray(-0.0, wide))

@@ -95,8 +95,75 @@ def optimized_codegen():
 # docstring has the measurement).
 FIDELITY_SETTINGS = {"lr": 3e-4, "steps": 300}
 
+# What skip_with="auto" compiles to on the backend the suite runs on: one
+# lax.cond on the CPU, selects on GPU/TPU (GuardConfig.formulation), and the
+# kind jmp_lite.step.formulation reports for it.
+AUTO_SKIP_WITH = "cond" if jax.default_backend() == "cpu" else "select"
+AUTO_KIND = "cond" if AUTO_SKIP_WITH == "cond" else "update"
+
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 FLOAT_DTYPE_IDS = ["f32", "bf16", "f16"]
+
+
+def as_xla_gpu_simplifies(fn):
+  """``fn``, evaluated with every float cast round trip removed.
+
+  XLA:GPU, under its default ``--xla_allow_excess_precision``, deletes a
+  conversion that narrows a float and the one that widens it straight back
+  (f32 -> bf16 -> f32 becomes the f32 value), and XLA:CPU keeps both. This
+  interprets ``fn``'s jaxpr op by op the GPU's way, nested ``jit``s
+  included, so that code whose point is that rounding can be tested here.
+  """
+  from jax.extend import core as jex
+
+  def run(jaxpr, consts, args, origins):
+    env, wide_of = {}, {}
+
+    def read(v):
+      return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+      env[var] = value
+    for var, value, origin in zip(jaxpr.invars, args, origins, strict=True):
+      env[var] = value
+      if origin is not None:
+        wide_of[var] = origin
+    for eqn in jaxpr.eqns:
+      invals = [read(v) for v in eqn.invars]
+      name = eqn.primitive.name
+      # Nested jits, and custom_jvp/vjp functions (their primal program):
+      # one XLA computation, so the GPU's simplification reaches into them.
+      sub = eqn.params.get("jaxpr" if name in ("pjit", "jit") else
+                           "call_jaxpr")
+      if sub is not None:
+        outs = run(sub.jaxpr, sub.consts, invals, [
+            None if isinstance(v, jex.Literal) else wide_of.get(v)
+            for v in eqn.invars])
+      else:
+        outs = eqn.primitive.bind(*invals, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+      if name == "convert_element_type" and not isinstance(
+          eqn.invars[0], jex.Literal):
+        (x,), (out,) = eqn.invars, eqn.outvars
+        src, dst = np.dtype(x.aval.dtype), np.dtype(out.aval.dtype)
+        if (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst,
+            jnp.floating)):
+          if x in wide_of and np.dtype(wide_of[x].dtype) == dst:
+            outs = [wide_of[x]]   # The round trip, deleted.
+          elif np.dtype(dst).itemsize < np.dtype(src).itemsize:
+            wide_of[out] = invals[0]
+      for var, value in zip(eqn.outvars, outs, strict=True):
+        env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+  def simplified(*args):
+    closed = jax.make_jaxpr(fn)(*args)
+    flat = jax.tree.leaves(args)
+    outs = run(closed.jaxpr, closed.consts, flat, [None] * len(flat))
+    shape = jax.eval_shape(fn, *args)
+    return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+  return simplified
 
 
 @pytest.fixture(params=["eager", "jit"])

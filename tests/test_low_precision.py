@@ -16,7 +16,13 @@ import optax
 import pytest
 
 import jmp_lite
-from tests.conftest import assert_dtype, multidevice_env, ROOT
+from tests.conftest import (
+  as_xla_gpu_simplifies,
+  assert_dtype,
+  AUTO_KIND,
+  multidevice_env,
+  ROOT,
+)
 
 HALF = [jnp.bfloat16, jnp.float16]
 HALF_IDS = ["bf16", "f16"]
@@ -73,6 +79,26 @@ def test_plain_half_never_moves_kahan_tracks_float32(dtype, variant):
   assert np.abs(np.asarray(total - ref) / ulp).max() <= 0.5
   # The plain run is off by several ulps on average.
   assert np.mean(np.asarray(plain.astype(jnp.float32) - ref) / ulp) > 3
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_kahan_still_compensates_where_xla_deletes_cast_round_trips(dtype):
+  """XLA:GPU drops f32 -> half -> f32 casts; on an H100 a cast-pair Kahan
+  left every param where it was (compensation 0). Evaluated the GPU's way."""
+  params, grads = _tiny_problem(dtype, 64)
+  lr, steps = 1e-4, 100
+  ref = params.astype(jnp.float32) - steps * lr * grads.astype(jnp.float32)
+  opt = jmp_lite.kahan_summation(optax.sgd(lr))
+  step = as_xla_gpu_simplifies(
+      lambda p, s: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(
+          opt.update(grads, s, p)))
+  p, state = params, opt.init(params)
+  for _ in range(steps):
+    p, state = step(p, state)
+  assert_dtype(p, dtype)
+  err = np.abs(np.asarray(p.astype(jnp.float32) - ref) / _ulp(ref, dtype))
+  assert err.max() <= 1.0, err.max()
+  assert np.asarray(state.compensation).any()
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
@@ -185,6 +211,24 @@ def test_stochastic_rounding_is_unbiased_over_seeds(dtype):
   # Per element, the mean over seeds is within 4.5 standard errors of it.
   z = err.mean(axis=0) / (err.std(axis=0, ddof=1) / np.sqrt(seeds))
   assert np.abs(z).max() < 4.5, np.abs(z).max()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_stochastic_rounding_still_random_where_xla_deletes_cast_round_trips(
+    dtype):
+  """With f32 -> half -> f32 casts deleted (XLA:GPU), a cast-pair rounding
+  saw no rounding error and always rounded to nearest: biased."""
+  n, fraction = 4096, 0.25
+  params = jnp.full(n, 1.5, dtype)
+  ulp = _ulp(params.astype(jnp.float32), dtype)
+  grads = -fraction * ulp   # SGD(1): an update of a quarter ulp up.
+  opt = jmp_lite.stochastic_rounding(optax.sgd(1.0), seed=3)
+  new, _ = as_xla_gpu_simplifies(
+      lambda p, s: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(
+          opt.update(grads, s, p)))(params, opt.init(params))
+  assert_dtype(new, dtype)
+  up = float(np.mean(np.asarray(new) != np.asarray(params)))
+  assert abs(up - fraction) < 4.5 * np.sqrt(fraction * (1 - fraction) / n), up
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
@@ -441,8 +485,9 @@ def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
   opt = _compositions()[name]
   params = _params()
   state = opt.init(params)
-  # Our wrappers hand the guard the gradients as they are: one lax.cond.
-  assert jmp_lite.step.formulation(state)[0] == "cond"
+  # Our wrappers hand the guard the gradients as they are, so the step
+  # compiles as the bare guard's would (one lax.cond on the CPU).
+  assert jmp_lite.step.formulation(state)[0] == AUTO_KIND
   step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
   plain = jax.jit(lambda p, s, g: (lambda us: (optax.apply_updates(
       p, us[0]), us[1]))(opt.update(g, s, p)))

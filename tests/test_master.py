@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jmp_lite
-from tests.conftest import assert_dtype
+from tests.conftest import as_xla_gpu_simplifies, assert_dtype
 
 HALF = [jnp.bfloat16, jnp.float16]
 
@@ -239,3 +239,24 @@ def test_a_leap_towards_zero_is_closed_on_the_next_step():
   chex.assert_trees_all_equal(
       optax.apply_updates({"w": p0}, updates)["w"],
       jmp_lite.master_params(state)["w"].astype(jnp.bfloat16))
+
+
+def test_params_equal_the_rounded_master_where_xla_deletes_cast_round_trips():
+  """XLA:GPU drops f32 -> bf16 -> f32 casts: a cast-pair target lets the
+  delta be rounded twice, and a param that must land on 1 + 2**-7 stays 1."""
+  params = {"w": jnp.ones((2,), jnp.bfloat16)}
+  opt = jmp_lite.master_weights(optax.sgd(1.0))
+  step = as_xla_gpu_simplifies(
+      lambda p, s, g: (lambda us: (optax.apply_updates(p, us[0]), us[1]))(
+          opt.update(g, s, p)))
+  state = opt.init(params)
+  # The master moves to 1 + 2**-20 (the param stays 1), then by 2**-8 more:
+  # just past the midpoint between 1 and 1 + 2**-7.
+  for g in (-(2.0**-20), -(2.0**-8)):
+    params, state = step(params, state,
+                         {"w": jnp.full((2,), g, jnp.bfloat16)})
+  master = jmp_lite.master_params(state)["w"]
+  np.testing.assert_array_equal(np.asarray(master, np.float64),
+                                1 + 2.0**-8 + 2.0**-20)
+  np.testing.assert_array_equal(np.asarray(params["w"], np.float64),
+                                1 + 2.0**-7)
