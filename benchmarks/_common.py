@@ -77,14 +77,16 @@ def mlp(width: int, depth: int, dtype: Any) -> Any:
 
 
 def compile_steps(variants: dict[str, tuple[Callable, Callable]], params: Any,
-                  *args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                  *args: Any, keep_hlo: bool = False
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Jits every ``step(state, *args) -> state`` with the state donated.
 
   ``variants`` maps a name to ``(init(params) -> state, step)``. Returns
   ``(jitted steps, stats)`` where stats hold XLA's bytes accessed, the peak
   memory and a trace counter per variant; two warm-up steps have run (a
   state whose leaf types change after one step recompiles there, not in the
-  timed loop); the state is in ``stats[name]["state"]``.
+  timed loop); the state is in ``stats[name]["state"]``, and with
+  ``keep_hlo`` the compiled HLO text in ``stats[name]["hlo"]``.
   """
   jitted, stats = {}, {}
   for name, (init, step) in variants.items():
@@ -99,6 +101,8 @@ def compile_steps(variants: dict[str, tuple[Callable, Callable]], params: Any,
     compiled = fn.lower(state, *args).compile()
     stats[name] = {"bytes": bytes_accessed(compiled),
                    "peak": peak_bytes(compiled), "traces": traces}
+    if keep_hlo:
+      stats[name]["hlo"] = compiled.as_text()
     state = fn(fn(state, *args), *args)
     stats[name]["state"] = jax.block_until_ready(state)
     jitted[name] = fn

@@ -16,11 +16,11 @@ per variant:
 
 1. ``fp8 dots``: matmuls with FP8 operands in the program JAX hands to XLA
    (StableHLO ``dot_general`` with ``f8E4M3FN``/``f8E5M2`` operands), and
-   ``cublasLt f8``: the FP8 GEMMs XLA actually emitted (the
-   ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO: 0 on the CPU,
-   which converts FP8 to float32 around an ordinary dot; on an H100 12 per
-   FP8 variant are expected, forward, input and weight gradient of each
-   projection, if XLA's GEMM rewriter takes them all: not yet measured);
+   ``gemms f8/all``: the GEMMs XLA actually emitted with FP8 operands, out
+   of all its GEMMs (cuBLAS/cuBLASLt custom calls and Triton GEMM fusions in
+   the compiled HLO: 0/0 on the CPU, which converts FP8 to float32 around
+   an ordinary dot; on a Hopper GPU 12 FP8 ones per FP8 variant if XLA takes
+   them all: forward, input and weight gradient of each projection);
 2. XLA's cost-model bytes accessed and peak memory of the compiled step, and
    the bytes the backward pass keeps from the forward (FP8 residuals are
    half the size of bfloat16 ones);
@@ -29,11 +29,14 @@ per variant:
    says nothing about FP8 hardware.
 
 Run on a GPU: ``python benchmarks/gpu_fp8.py`` (defaults d=4096, seq=2048,
-batch=4). On the CPU the defaults shrink to a smoke-test size; ``--help``.
+batch=4). On the CPU the defaults shrink to a smoke-test size; ``--help``
+(``--dump DIR`` writes each variant's compiled HLO there).
 """
 
 from __future__ import annotations
 
+import collections
+import pathlib
 import re
 import statistics
 from collections.abc import Callable
@@ -71,8 +74,11 @@ def layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def bf16_dot(lhs: jax.Array, rhs: jax.Array, dims: Any) -> jax.Array:
-  return jax.lax.dot_general(lhs, rhs, dims,
-                             preferred_element_type=F32).astype(BF16)
+  # A bfloat16 result: the GEMM still accumulates in float32, and the
+  # cotangents stay bfloat16, so both gradient GEMMs run in bfloat16 too.
+  # (A float32 result cast to bfloat16 sends float32 cotangents back, and
+  # JAX's transpose then runs the gradient GEMMs with float32 operands.)
+  return jax.lax.dot_general(lhs, rhs, dims)
 
 
 def block(params: dict[str, jax.Array], x: jax.Array, heads: int,
@@ -88,12 +94,12 @@ def block(params: dict[str, jax.Array], x: jax.Array, heads: int,
   q, k, v = jnp.split(proj("qkv", h), 3, axis=-1)
   split = lambda z: z.reshape(b, t, heads, d // heads)
   q, k, v = split(q), split(k), split(v)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                      preferred_element_type=F32) / np.sqrt(d // heads)
+  # bfloat16 products (float32 accumulation inside the GEMM), the softmax
+  # in float32.
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / np.sqrt(d // heads)
   causal = jnp.tril(jnp.ones((t, t), bool))
   weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
-  attn = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(BF16), v,
-                    preferred_element_type=F32).astype(BF16)
+  attn = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(BF16), v)
   x = x + proj("out", attn.reshape(b, t, d)).astype(F32)
   h = layer_norm(x, params["ln2"])
   h = jax.nn.gelu(proj("up", h))
@@ -139,9 +145,36 @@ def fp8_dot_count(lowered_text: str) -> int:
              if "stablehlo.dot_general" in line and "f8E" in line)
 
 
-def cublas_f8_count(compiled_text: str) -> int:
-  return len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"',
-                        compiled_text))
+_GEMM = re.compile(r'custom_call_target="__cublas[^"]*"'
+                   r'|"kind":"__(?:triton_gemm|triton_nested_gemm_fusion'
+                   r'|cudnn\$fusion)"')
+_F8 = re.compile(r"f8e4m3fn|f8e5m2")
+
+
+def gemm_operands(compiled_text: str) -> collections.Counter[str]:
+  """GEMMs in compiled HLO text, counted by their operands' dtypes.
+
+  A GEMM is a cuBLAS/cuBLASLt custom call or a Triton or cuDNN GEMM fusion
+  (compiled HLO names operands without their types, so they are looked up
+  where they are defined); keys read like ``"bf16 x bf16"``. Empty on the
+  CPU: dots stay ``dot`` ops inside ordinary fusions.
+  """
+  types = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) ",
+                          compiled_text, re.M))
+  counts: collections.Counter[str] = collections.Counter()
+  for line in compiled_text.splitlines():
+    call = re.search(r" (?:custom-call|fusion)\(([^)]*)\)", line)
+    if _GEMM.search(line) is None or call is None:
+      continue
+    dtypes = [re.split(r"[\[{]", types.get(op.strip().lstrip("%"), "?"))[0]
+              for op in call.group(1).split(",")[:2]]
+    counts[" x ".join(dtypes)] += 1
+  return counts
+
+
+def fp8_gemms(counts: collections.Counter[str]) -> int:
+  """GEMMs of :func:`gemm_operands` with an FP8 operand."""
+  return sum(n for key, n in counts.items() if _F8.search(key))
 
 
 def main() -> None:
@@ -152,6 +185,8 @@ def main() -> None:
                        rounds=3 if on_cpu else 5)
   parser.add_argument("--seq", type=int, default=64 if on_cpu else 2048)
   parser.add_argument("--heads", type=int, default=4 if on_cpu else 32)
+  parser.add_argument("--dump", type=pathlib.Path, default=None,
+                      help="write each variant's compiled HLO text here")
   args = parser.parse_args()
   d, heads = args.width, args.heads
   if d % heads:
@@ -171,11 +206,14 @@ def main() -> None:
     state = init(jax.tree.map(lambda p: p.copy(), params))
     lowered = jax.jit(step, donate_argnums=0).lower(state, x)
     compiled[name] = lowered.compile()
+    text = compiled[name].as_text()
+    if args.dump is not None:
+      args.dump.mkdir(parents=True, exist_ok=True)
+      (args.dump / f"fp8_{name}.hlo.txt").write_text(text)
     # The backward pass's residuals, abstractly (nothing is computed).
     vjp = jax.eval_shape(lambda p, s, r=recipe: jax.vjp(
         lambda p: loss_of(p, s, x, heads, r), p)[1], params, state[1])
-    rows.append((name, fp8_dot_count(lowered.as_text()),
-                 cublas_f8_count(compiled[name].as_text()),
+    rows.append((name, fp8_dot_count(lowered.as_text()), gemm_operands(text),
                  bytes_accessed(compiled[name]), peak_bytes(compiled[name]),
                  max(tree_bytes(vjp) - tree_bytes(params), 0)))
     # Two warm-up steps, as the timed loop runs them (state donated).
@@ -185,14 +223,19 @@ def main() -> None:
       {n: (lambda s, f=compiled[n]: f(s, x)) for n in specs}, states,
       n_steps=args.steps, rounds=args.rounds)
   base = statistics.median(times["bf16"])
-  print(f"{'variant':12} {'fp8 dots':>8} {'cublasLt f8':>11}"
+  print(f"{'variant':12} {'fp8 dots':>8} {'gemms f8/all':>12}"
         f" {'bytes (MB)':>10} {'peak (MB)':>9} {'residuals (MB)':>14}"
         f" {'ms/step':>9} {'vs bf16':>8}")
-  for name, n_fp8, n_cublas, nbytes, peak, residual in rows:
+  for name, n_fp8, gemms, nbytes, peak, residual in rows:
     t = statistics.median(times[name])
-    print(f"{name:12} {n_fp8:8d} {n_cublas:11d} {nbytes / 1e6:10.1f}"
+    f8_of_all = f"{fp8_gemms(gemms)}/{sum(gemms.values())}"
+    print(f"{name:12} {n_fp8:8d} {f8_of_all:>12} {nbytes / 1e6:10.1f}"
           f" {peak / 1e6:9.1f} {residual / 1e6:14.2f} {1e3 * t:9.2f}"
           f" {t / base:7.2f}x")
+  for name, _, gemms, *_ in rows:
+    if gemms:
+      print(f"{name} GEMM operands: " + ", ".join(
+          f"{n} {key}" for key, n in sorted(gemms.items())))
 
 
 if __name__ == "__main__":

@@ -6,20 +6,26 @@ predicate decides a branch) or ``lax.select`` over the inner optimizer's
 results (branch-free, fused into the optimizer's kernels where the backend
 fuses it). ``skip_with="auto"`` picks ``"cond"`` on the CPU, where it is
 measured cheaper, and ``"select"`` elsewhere, unmeasured. This script
-measures both on whatever device JAX runs on, with the seeds' MLP (width
-4096, batch 512 on an accelerator; smaller on the CPU), every step jitted
+measures both on whatever device JAX runs on, with the seeds' MLP (three
+Dense layers of width 4096, batch 512, as in PyTorch's AMP recipe; smaller
+on the CPU), every step jitted
 with params and optimizer state donated, and prints for each formulation, of
 ``jmp_lite.update_and_apply`` and of ``loss_scaled.update`` +
 ``optax.apply_updates``: XLA's bytes accessed and peak memory against the
-plain donated step, and interleaved wall-clock ratios (median, with the
-spread over rounds). It then states which formulation was faster, or that
-the difference is within the noise; it picks nothing by guess.
+plain donated step, the ``conditional`` ops left in the compiled program
+(on a GPU each one reads its predicate back to the host unless XLA puts it
+in a CUDA graph), and interleaved wall-clock ratios (median, with the spread
+over rounds). It then states which formulation was faster, or that the
+difference is within the noise; it picks nothing by guess.
 
-Run: ``python benchmarks/gpu_step.py`` (``--help`` for sizes).
+Run: ``python benchmarks/gpu_step.py`` (``--help`` for sizes; ``--dump DIR``
+writes each variant's compiled HLO there).
 """
 
 from __future__ import annotations
 
+import pathlib
+import re
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -76,17 +82,25 @@ def build_variants(loss: Callable, scale: Any,
   return variants
 
 
+def conditionals(hlo_text: str) -> int:
+  """``conditional`` ops in compiled HLO text."""
+  return len(re.findall(r"\) conditional\(|\] conditional\(", hlo_text))
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   device = jax.devices()[0]
   on_cpu = device.platform == "cpu"
   parser = size_parser(__doc__.splitlines()[0],
-                       width=512 if on_cpu else 4096, depth=2,
+                       width=512 if on_cpu else 4096,
+                       depth=2 if on_cpu else 3,
                        batch=128 if on_cpu else 512, steps=10,
                        rounds=5 if on_cpu else 10)
   parser.add_argument(
       "--compute", nargs="+", choices=list(DTYPES),
       default=["f32", "f16"] if on_cpu else ["f32", "bf16", "f16"],
       help="compute dtypes (f16 with dynamic loss scaling from 2**15)")
+  parser.add_argument("--dump", type=pathlib.Path, default=None,
+                      help="write each variant's compiled HLO text here")
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
@@ -107,7 +121,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     scale = (jmp_lite.DynamicLossScale(2.0**15) if compute == "f16"
              else jmp_lite.NoOpLossScale())
     variants = build_variants(loss, scale)
-    jitted, stats = compile_steps(variants, params, x, y)
+    jitted, stats = compile_steps(variants, params, x, y, keep_hlo=True)
+    if args.dump is not None:
+      args.dump.mkdir(parents=True, exist_ok=True)
+      for name, st in stats.items():
+        (args.dump / f"{compute}_{name.replace(' ', '_')}.hlo.txt"
+         ).write_text(st["hlo"])
     states = {k: v.pop("state") for k, v in stats.items()}
     times = interleaved_seconds(
         {k: (lambda s, f=f: f(s, x, y)) for k, f in jitted.items()}, states,
@@ -118,21 +137,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               for k, v in times.items()}
     base = stats["plain"]
     print(f"\n{compute} compute, {type(scale).__name__}:\n")
-    print("| variant | extra bytes / grad bytes | peak vs plain | time vs"
-          " plain (median) | min-max over rounds | ms/step |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| variant | extra bytes / grad bytes | peak vs plain |"
+          " conditionals | time vs plain (median) | min-max over rounds |"
+          " ms/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in variants:
       st, r = stats[name], ratios[name]
       row = {"compute": compute, "variant": name,
              "extra_bytes_per_grad_bytes": (st["bytes"] - base["bytes"])
              / grad_bytes,
              "peak_ratio": st["peak"] / base["peak"],
+             "conditionals": conditionals(st["hlo"]),
              "time_ratio": statistics.median(r),
              "time_ratio_min": min(r), "time_ratio_max": max(r),
              "ms_per_step": 1000 * statistics.median(times[name])}
       rows.append(row)
       print(f"| {name} | {row['extra_bytes_per_grad_bytes']:.2f} |"
-            f" {row['peak_ratio']:.3f} | {row['time_ratio']:.3f} |"
+            f" {row['peak_ratio']:.3f} | {row['conditionals']} |"
+            f" {row['time_ratio']:.3f} |"
             f" {row['time_ratio_min']:.3f}-{row['time_ratio_max']:.3f} |"
             f" {row['ms_per_step']:.2f} |")
     for api in ("update_and_apply", "update"):

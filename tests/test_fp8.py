@@ -17,6 +17,7 @@ from jax.extend import core as jex
 import jmp_lite
 from jmp_lite import fp8
 from tests.conftest import (
+  as_xla_gpu_simplifies,
   assert_dtype,
   FIDELITY_SETTINGS,
   FLOAT_DTYPE_IDS,
@@ -182,7 +183,9 @@ def test_gradients_come_back_in_each_operands_dtype():
 
 def test_jaxpr_of_loss_and_gradient_has_fp8_dots():
   dot = current_dot()
-  x, w = normal(0, (8, 16)), normal(1, (16, 4))
+  # Every GEMM here, gradients included, has >= 100 operand elements: none
+  # is small enough for the GPU's float32 fallback (next test).
+  x, w = normal(0, (16, 16)), normal(1, (16, 8))
 
   def loss(x, w):
     return jnp.sum(dot(x, w, MATMUL) ** 2)
@@ -202,6 +205,42 @@ def test_jaxpr_of_loss_and_gradient_has_fp8_dots():
   assert len(dots) == 3, dots
   for line in dots:
     assert "f8E" in line and "-> tensor<" in line and "xf32>" in line, line
+
+
+def test_dots_too_small_for_a_gpu_gemm_run_in_float32_there(monkeypatch):
+  """XLA:GPU multiplies tiny FP8 dots in float16, where they overflow."""
+  dot = current_dot()
+  x, w = exact_values(0, (4, 8)), exact_values(1, (8, 3))   # 32 + 24 < 100
+  c = exact_values(2, (4, 3))
+  # Values that E4M3 rounds (1.1 and its neighbours are no E4M3 numbers).
+  xs, ws = normal(3, (4, 8)) + 1.1, normal(4, (8, 3)) + 1.1
+
+  def loss(x, w):
+    return jnp.sum(dot(x, w, MATMUL) * c)
+
+  fp8_dot = lambda a, b: dot(a, b, MATMUL)
+  want = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+  rounded = jax.jit(fp8_dot)(xs, ws)
+  assert not np.allclose(rounded, xs @ ws, rtol=1e-3)   # FP8 did round.
+  # JAX caches traced custom_vjp bodies: trace afresh for the "GPU", and
+  # leave no GPU trace behind for the tests after this one.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  jax.clear_caches()
+  try:
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(x, w)
+    assert dot_operand_dtypes(jaxpr) == [("float32", "float32")] * 3
+    # The FP8-rounded values in float32: the same numbers as the FP8 dots,
+    # also where XLA:GPU deletes f32 -> f8 -> f32 casts.
+    chex.assert_trees_all_equal(
+        jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w), want)
+    chex.assert_trees_all_equal(as_xla_gpu_simplifies(fp8_dot)(xs, ws),
+                                rounded)
+    # At 100 operand elements and more the operands stay FP8 on a GPU too.
+    big = jax.make_jaxpr(fp8_dot)(normal(0, (4, 16)), normal(1, (16, 3)))
+    assert dot_operand_dtypes(big) == [("float8_e4m3fn", "float8_e4m3fn")]
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
 
 
 def test_relative_error_against_float32_is_bounded_and_nonzero():
@@ -401,14 +440,49 @@ def test_gpu_fp8_benchmark_runs_small_on_cpu():
       [sys.executable, "benchmarks/gpu_fp8.py", "--width", "32", "--seq", "8",
        "--heads", "2", "--batch", "1", "--steps", "1", "--rounds", "1"],
       capture_output=True, text=True, check=True, cwd=root,
-      env=dict(os.environ, PYTHONPATH=str(root)))
+      env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
   rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
           if line.startswith(("bf16 ", "fp8-"))}
   # FP8 operands in 12 dots (4 projections x forward, d-input, d-weight);
-  # none in bf16; no cuBLASLt FP8 GEMM on the CPU.
+  # none in bf16; no library or Triton GEMM at all on the CPU.
   assert [rows[n][1:3] for n in ("bf16", "fp8-current", "fp8-delayed")] == [
-      ["0", "0"], ["12", "0"], ["12", "0"]], out.stdout
+      ["0", "0/0"], ["12", "0/0"], ["12", "0/0"]], out.stdout
   assert "XLA:CPU emulates FP8" in out.stdout
+
+
+# Compiled GPU HLO as XLA prints it: operands by name only, their types where
+# they are defined (the shape of an H100 dump of the benchmark, abridged; a
+# backslash joins a long line).
+_GPU_HLO = """\
+  %bitcast.1 = f8e4m3fn[64,32]{1,0} bitcast(%fusion.1)
+  %bitcast.2 = f8e4m3fn[32,48]{1,0} bitcast(%fusion.2)
+  %bitcast.3 = f8e5m2[64,48]{1,0} bitcast(%fusion.3)
+  %fusion.4 = f32[] fusion(%p.1), kind=kLoop, calls=%fused_scale
+  %cublas-gemm.1 = (f32[64,48]{1,0}, s8[1024]{0}) custom-call(%bitcast.1, \
+%bitcast.2, %fusion.4, %fusion.4), custom_call_target="__cublas$lt$matmul$f8"
+  %cublas-gemm.2 = (f32[64,32]{1,0}, s8[1024]{0}) custom-call(%bitcast.3, \
+%bitcast.2, %fusion.4), custom_call_target="__cublas$lt$matmul$f8"
+  %bitcast.5 = bf16[8,16,4]{2,1,0} bitcast(%p.2)
+  %bitcast.6 = bf16[8,4,16]{2,1,0} bitcast(%p.3)
+  %custom-call.1 = (f32[8,16,16]{2,1,0}, s8[1024]{0}) custom-call(%bitcast.5, \
+%bitcast.6), custom_call_target="__cublas$lt$matmul"
+  %gemm_fusion_dot.1 = bf16[8,16,4]{2,1,0} fusion(%bitcast.5, %bitcast.6), \
+kind=kCustom, calls=%gemm_fusion_dot.1_computation, \
+backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %fusion.9 = bf16[8,16,4]{2,1,0} fusion(%bitcast.5), kind=kLoop, calls=%f
+"""
+
+
+def test_gpu_fp8_benchmark_counts_the_gemms_of_compiled_gpu_hlo(monkeypatch):
+  import importlib
+  import pathlib
+  monkeypatch.syspath_prepend(
+      str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  gpu_fp8 = importlib.import_module("gpu_fp8")
+  counts = gpu_fp8.gemm_operands(_GPU_HLO)
+  assert counts == {"f8e4m3fn x f8e4m3fn": 1, "f8e5m2 x f8e4m3fn": 1,
+                    "bf16 x bf16": 2}
+  assert gpu_fp8.fp8_gemms(counts) == 2
 
 
 def test_importing_fp8_does_not_import_flax():

@@ -117,6 +117,46 @@ def _permuted(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
   return jax.lax.transpose(x, perm)
 
 
+# XLA:GPU runs a dot whose two operands hold fewer elements than this, batch
+# dimensions aside, in its loop emitter instead of a GEMM library
+# (``--xla_gpu_gemm_rewrite_size_threshold``, default 100). There FP8 operands
+# are converted to float16 and multiplied in float16, where products of
+# scaled FP8 values (up to 448 * 448) overflow: measured on an H100, a
+# 4x8 @ 8x3 FP8 dot came back inf and NaN.
+_GPU_LOOP_DOT_ELEMENTS = 100
+
+
+def _exact_f32(q: jax.Array) -> jax.Array:
+  """FP8 values as float32, looked up by their bits.
+
+  Not ``q.astype(float32)``: XLA:GPU deletes that cast together with the
+  quantising cast before it (``--xla_allow_excess_precision``), and the dot
+  would then see unrounded values. A 256-entry table is exact for every
+  FP8 format, NaN and subnormals included.
+  """
+  table = np.arange(256, dtype=np.uint8).view(q.dtype).astype(np.float32)
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
+  return jnp.asarray(table)[bits]
+
+
+def _matmul(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
+            **kwargs: Any) -> jax.Array:
+  """``dot_general`` of two FP8 arrays, accumulated and returned in float32.
+
+  On a GPU, a dot too small for a GEMM library (see above) runs on the FP8
+  values in float32 instead: the same products, never overflowing.
+  """
+  (_, _), (lb, rb) = dims
+  if jax.default_backend() == "gpu":
+    per_batch = sum(
+        int(np.prod([n for d, n in enumerate(x.shape) if d not in batch]))
+        for x, batch in ((lhs, lb), (rhs, rb)))
+    if per_batch < _GPU_LOOP_DOT_ELEMENTS:
+      lhs, rhs = _exact_f32(lhs), _exact_f32(rhs)
+  return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32,
+                             **kwargs)
+
+
 def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
               lhs: jax.Array) -> jax.Array:
   """The dot_general transpose for the lhs: f32 ``d out / d lhs`` contracted.
@@ -140,9 +180,8 @@ def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
   for l_dim, r_dim in zip(lc, rc, strict=True):
     position[l_dim] = nb + len(lhs_free) + rc_sorted.index(r_dim)
   order = sorted(range(lhs.ndim), key=position.__getitem__)
-  out = jax.lax.dot_general(
-      g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
-      preferred_element_type=_F32, out_sharding=_out_sharding(lhs, order))
+  out = _matmul(g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+                out_sharding=_out_sharding(lhs, order))
   return _permuted(out, tuple(position[d] for d in range(lhs.ndim)))
 
 
@@ -165,9 +204,8 @@ def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
   order = sorted(range(rhs.ndim), key=position.__getitem__)
   # lhs first, so that the result is (batch, lhs contracting, rhs free):
   # already close to rhs order for the usual x @ W (no transpose at all).
-  out = jax.lax.dot_general(
-      lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
-      preferred_element_type=_F32, out_sharding=_out_sharding(rhs, order))
+  out = _matmul(lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
+                out_sharding=_out_sharding(rhs, order))
   return _permuted(out, tuple(position[d] for d in range(rhs.ndim)))
 
 
@@ -218,8 +256,7 @@ def _forward(lhs, rhs, delayed_amax, st: _Static):
   q_l, inv_l = _scaled(lhs, a_l, delayed_amax[0], st.fwd_dtype, st)
   q_r, inv_r = _scaled(rhs, a_r, delayed_amax[1], st.fwd_dtype, st)
   kwargs = {} if st.out_sharding is None else {"out_sharding": st.out_sharding}
-  out = jax.lax.dot_general(q_l, q_r, st.dims, preferred_element_type=_F32,
-                            **kwargs)
+  out = _matmul(q_l, q_r, st.dims, **kwargs)
   out = (out * (inv_l * inv_r)).astype(st.out_dtype)
   return out, (q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax)
 

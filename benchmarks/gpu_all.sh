@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs, one after another, the benchmarks whose numbers depend on the
+# accelerator, at the sizes of the seeds' recipes, and keeps what they print:
+#
+#   bash benchmarks/gpu_all.sh DIR
+#
+# DIR/<script>.txt holds each script's tables, DIR/hlo/ the compiled HLO of
+# every train-step variant (to read fusions, copies and conditionals later,
+# without the accelerator). A script that fails does not stop the others; the
+# exit status says whether any failed.
+set -uo pipefail
+if [ $# -ne 1 ]; then
+  echo "usage: bash benchmarks/gpu_all.sh DIR" >&2
+  exit 2
+fi
+mkdir -p "$1/hlo"
+out=$(cd "$1" && pwd)
+cd "$(dirname "$0")"
+export PYTHONUNBUFFERED=1
+failed=()
+
+run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
+  local name=$1 start=$SECONDS
+  shift
+  echo "== python $name.py $*"
+  if ! python3 "$name.py" "$@" 2>&1 | tee "$out/$name.txt"; then
+    failed+=("$name")
+  fi
+  echo "[$name: $((SECONDS - start)) s]"
+}
+
+python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax",
+flax.__version__, "optax", optax.__version__, jax.devices())'
+# The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
+run gpu_step --dump "$out/hlo" --rounds 15
+run loss_scaling_overhead --width 4096 --depth 3 --batch 512 --rounds 9
+run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds 9
+run gpu_fp8 --dump "$out/hlo"
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}" >&2
+  exit 1
+fi
