@@ -72,11 +72,18 @@ def test_transforms_grads_and_vmap():
   chex.assert_trees_all_equal_dtypes(eqx.filter(grads, eqx.is_array),
                                      eqx.filter(model, eqx.is_array))
   assert _dots(jax.grad(lambda x: loss(model, x)), x) == {(BF16, BF16)}
-  expected = jax.vmap(model)(x)
-  # jit may fuse differently from eager: equal within a bf16 rounding.
-  chex.assert_trees_all_close(jax.jit(lambda x: jax.vmap(model)(x))(x),
-                              expected, atol=4e-3, rtol=2 ** -7)
-  chex.assert_trees_all_close(eqx.filter_vmap(model)(x), expected,
+  # Eager and jitted runs round differently (XLA fuses; on a GPU the jitted
+  # one keeps more in float32 and lands nearer the float32 model), so each
+  # is held to the float32 model: within bf16 compute's error, a few
+  # roundings at the outputs' scale (measured: eager 0.0046, CPU jit 0.0051,
+  # H100 jit 0.0019 against a bound of 0.0068).
+  reference = jax.vmap(Encoder(jax.random.key(0)))(x)
+  bound = 2.0**-5 * float(jnp.max(jnp.abs(reference)))
+  eager = jax.vmap(model)(x)
+  for out in (eager, jax.jit(lambda x: jax.vmap(model)(x))(x)):
+    assert float(jnp.max(jnp.abs(out - reference))) <= bound
+  # Equinox's own vmap, eager too: the same rounding as jax.vmap's.
+  chex.assert_trees_all_close(eqx.filter_vmap(model)(x), eager,
                               atol=4e-3, rtol=2 ** -7)
 
 

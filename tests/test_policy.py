@@ -103,6 +103,10 @@ def test_policy_rejects_non_float_dtypes(bad, field):
     jmp_lite.Policy(**kwargs)
 
 
+# "half" is the backend's half dtype (jmp_lite.half_dtype()).
+_HALF = jmp_lite.dtypes.canonical_name(jmp_lite.half_dtype())
+
+
 @pytest.mark.parametrize("name,expected", [
     ("f32", ("f32", "f32", "f32")),
     ("full", ("f32", "f32", "f32")),
@@ -115,14 +119,14 @@ def test_policy_rejects_non_float_dtypes(bad, field):
     ("float16", ("f16", "f16", "f16")),
     ("f64", ("f64", "f64", "f64")),
     ("float64", ("f64", "f64", "f64")),
-    ("half", ("f16", "f16", "f16")),  # The CPU's half dtype.
+    ("half", (_HALF, _HALF, _HALF)),   # f16 on the CPU, bf16 on an H100.
     ("c=bf16", ("f32", "bf16", "bf16")),
     ("p=f16", ("f16", "f16", "f16")),
     ("o=f16", ("f32", "f32", "f16")),
     ("p=f32,c=bf16,o=f32", ("f32", "bf16", "f32")),
     ("params=float32,compute=bfloat16,output=float32", ("f32", "bf16", "f32")),
     ("p=f16,c=bf16", ("f16", "bf16", "bf16")),
-    (" p = f32 , c = half ", ("f32", "f16", "f16")),
+    (" p = f32 , c = half ", ("f32", _HALF, _HALF)),
     ("P=F32,C=BF16", ("f32", "bf16", "bf16")),
     ("c=float8_e4m3fn", ("f32", "float8_e4m3fn", "float8_e4m3fn")),
 ])

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jmp_lite
-from tests.conftest import assert_dtype
+from tests.conftest import assert_dtype, AUTO_KIND, AUTO_SKIP_WITH
 
 
 def _params(dtype=jnp.float32):
@@ -70,15 +70,16 @@ def _ls(**kw):
 
 # name -> (optimizer factory, param dtype, scaled loss, formulation,
 #          whether a skipped step changes nothing outside the guard's counters)
+# The guards keep skip_with="auto": AUTO_KIND is what that compiles to here.
 COMPOSITIONS = {
-    "loss_scaled": (_ls, jnp.float32, True, "cond", True),
+    "loss_scaled": (_ls, jnp.float32, True, AUTO_KIND, True),
     "skip_nonfinite": (
         lambda: jmp_lite.skip_nonfinite(_inner(), max_consecutive_skips=50),
-        jnp.float32, False, "cond", True),
+        jnp.float32, False, AUTO_KIND, True),
     "chain": (lambda: optax.chain(_ls(), optax.scale(1.0)), jnp.float32, True,
-              "cond", True),
+              AUTO_KIND, True),
     "master_weights": (lambda: jmp_lite.master_weights(_ls()), jnp.bfloat16,
-                       True, "cond", True),
+                       True, AUTO_KIND, True),
     # inject_hyperparams *around* the guard counts every step, as it does
     # with opt.update: equal to the update path, not to a good-steps-only run.
     "inject_hyperparams": (
@@ -86,7 +87,7 @@ COMPOSITIONS = {
             lambda learning_rate: jmp_lite.loss_scaled(
                 optax.adam(learning_rate), _scale()))(
                     learning_rate=optax.linear_schedule(1e-2, 1e-3, 40)),
-        jnp.float32, True, "cond", False),
+        jnp.float32, True, AUTO_KIND, False),
     "accumulate_gradients": (
         lambda: jmp_lite.accumulate_gradients(_ls(), every_k=2), jnp.float32,
         True, "update", False),
@@ -267,8 +268,8 @@ def test_the_formulation_is_what_runs(skip_with):
       lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p), params, state,
       grads)
   array_selects = [p for p, nd in prims if p == "select_n" and max(nd) > 0]
-  if skip_with == "select":
-    assert kind == "update" and "skip_with='select'" in why
+  if (skip_with if skip_with != "auto" else AUTO_SKIP_WITH) == "select":
+    assert kind == "update" and "skip_with='" in why
     assert array_selects and "cond" not in [p for p, _ in prims]
   else:
     assert kind == "cond" and "lax.cond" in why
@@ -728,8 +729,7 @@ def test_apply_gradients_is_the_train_state_method_through_one_cond(level,
       chex.assert_trees_all_equal(ours.params, before)
   guard = jmp_lite.loss_scaled_state(ours.opt_state)
   assert int(guard.total_skips) == 1
-  if jax.default_backend() == "cpu":  # skip_with="auto" takes the cond here.
-    assert jmp_lite.step.formulation(ours.opt_state)[0] == "cond"
+  assert jmp_lite.step.formulation(ours.opt_state)[0] == AUTO_KIND
 
 
 def test_apply_gradients_never_recompiles_and_checks_its_input():
