@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["canonical_name", "cast_floating", "half_dtype", "is_floating_array",
-           "is_inexact_array", "is_live_state", "is_opaque", "parse_dtype",
-           "round_to", "to_floating_dtype"]
+__all__ = ["canonical_name", "cast_floating", "float8_values", "half_dtype",
+           "is_floating_array", "is_inexact_array", "is_live_state",
+           "is_opaque", "parse_dtype", "round_to", "to_floating_dtype"]
 
 # Canonical short name first: it is what ``str(Policy)`` prints.
 _ALIASES: dict[np.dtype, tuple[str, ...]] = {
@@ -312,55 +312,115 @@ def is_inexact_array(x: Any) -> bool:
   return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-# The dtypes round_to rounds to and from: IEEE-style formats (an infinity,
-# subnormals), which lax.reduce_precision models exactly in the normal range.
+# The dtypes round_to rounds in, and the IEEE-style targets (an infinity,
+# subnormals) that lax.reduce_precision models exactly in the normal range.
 _IEEE_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16,
                                            jnp.float32, jnp.float64))
 
 
-def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-  """Rounds ``x`` to the nearest value of ``dtype``, keeping ``x``'s dtype.
+def _float8_table(dtype: np.dtype) -> np.ndarray | None:
+  """float32 value of each of an 8-bit float format's 256 bit patterns."""
+  if dtype.itemsize != 1 or jnp.finfo(dtype).bits != 8:
+    return None
+  return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
 
-  Equal bit for bit to the correctly rounded ``x.astype(dtype).astype(
-  x.dtype)`` (round to nearest even, overflow to infinity, ``dtype``'s
-  subnormals kept, NaN stays NaN), but without the conversion pair, which
-  compilers may delete: XLA:GPU does,
-  under its default ``--xla_allow_excess_precision``, treating the dropped
-  rounding as a free gain in precision. Code whose *point* is that rounding
-  (compensated summation, stochastic rounding, a param pinned to its master
-  copy's rounded value) silently stops working there. ``lax.reduce_precision``
-  survives that simplification; it flushes values below ``dtype``'s smallest
-  normal to zero, so those are rounded to a multiple of ``dtype``'s smallest
-  subnormal here instead (exact: a power-of-two scaling).
+
+def float8_values(q: jax.Array) -> jax.Array:
+  """An 8-bit float array's values in float32, decoded from its bits.
+
+  Equal to ``q.astype(jnp.float32)``, but a table lookup rather than a cast,
+  so that no compiler can fuse it with the cast that produced ``q``: XLA:GPU
+  (``--xla_allow_excess_precision``) replaces ``x.astype(f8).astype(f32)``
+  by ``x``, dropping the FP8 rounding.
 
   Args:
-    x: a float16, bfloat16, float32 or float64 array.
-    dtype: one of those dtypes, narrower than ``x``'s or holding all of it.
+    q: an array of an 8-bit float dtype (``float8_e4m3fn``, ``float8_e5m2``,
+      ...).
+
+  Returns:
+    A float32 array of ``q``'s shape and sharding.
+
+  Raises:
+    TypeError: ``q`` is not of an 8-bit float dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> q = jnp.asarray([0.3, -448.0]).astype(jnp.float8_e4m3fn)
+    >>> jmp_lite.dtypes.float8_values(q).tolist()
+    [0.3125, -448.0]
+  """
+  table = _float8_table(np.dtype(q.dtype))
+  if table is None:
+    raise TypeError(
+        f"float8_values: q must be of an 8-bit float dtype, got {q.dtype}")
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
+  # Laid out as the indices are: a sharded q stays sharded (JAX cannot infer
+  # that from a gather of a replicated table).
+  return jnp.asarray(table).at[bits].get(
+      out_sharding=jax.typeof(bits).sharding)
+
+
+def round_to(x: jax.typing.ArrayLike, dtype: Any) -> jax.Array:
+  """Rounds ``x`` to the nearest value of ``dtype``, keeping ``x``'s dtype.
+
+  The value of ``x.astype(dtype).astype(x.dtype)`` correctly rounded (round
+  to nearest even, overflow as the cast does, ``dtype``'s subnormals kept,
+  NaN stays NaN), but without the conversion pair, which compilers may
+  delete: XLA:GPU does, under its default ``--xla_allow_excess_precision``,
+  treating the dropped rounding as a free gain in precision. Code whose
+  *point* is that rounding (compensated summation, stochastic rounding, a
+  param pinned to its master copy's rounded value) silently stops working
+  there. For float16 and bfloat16 this is ``lax.reduce_precision``, which
+  survives that simplification, plus a branch for ``dtype``'s subnormals,
+  which ``reduce_precision`` flushes to zero (rounded on the grid of the
+  smallest subnormal: exact, a power-of-two scaling). For 8-bit floats it
+  is the cast to ``dtype`` and a table lookup back (:func:`float8_values`).
+
+  Args:
+    x: a float16, bfloat16, float32 or float64 array (or array-like).
+    dtype: a dtype or name (``"bf16"``): one whose values are all values of
+      ``x``'s dtype (float16 in float32, FP8 in bfloat16...), or one that
+      holds all of ``x``'s dtype.
 
   Returns:
     ``x``'s values rounded to ``dtype``, in ``x``'s dtype; ``x`` itself when
     ``dtype`` holds every value of ``x``'s dtype.
 
   Raises:
-    TypeError: ``x`` or ``dtype`` is not one of those dtypes.
-    ValueError: neither dtype holds the other's values (float16 and
-      bfloat16).
+    TypeError: ``x``'s dtype is not one of those four, or ``dtype`` is not a
+      floating dtype.
+    ValueError: ``dtype``'s values are not all values of ``x``'s dtype, and
+      not the other way round either (float16 and bfloat16).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> x = jnp.float32(1.0001)
     >>> float(jmp_lite.dtypes.round_to(x, jnp.bfloat16))
     1.0
-    >>> tiny = jmp_lite.dtypes.round_to(jnp.float32(3e-6), jnp.float16)
+    >>> tiny = jmp_lite.dtypes.round_to(jnp.float32(3e-6), "f16")
     >>> float(tiny) * 2**24  # a float16 subnormal: 50 of its smallest steps
     50.0
   """
-  narrow, wide = np.dtype(dtype), np.dtype(getattr(x, "dtype", type(x)))
-  for what, d in (("x", wide), ("dtype", narrow)):
-    if d not in _IEEE_FLOATS:
-      raise TypeError(
-          f"round_to: {what} must be float16, bfloat16, float32 or float64,"
-          f" got {d}")
+  x = jnp.asarray(x)
+  narrow, wide = to_floating_dtype(dtype, "dtype"), np.dtype(x.dtype)
+  if wide not in _IEEE_FLOATS:
+    raise TypeError(
+        "round_to: x must be float16, bfloat16, float32 or float64, got"
+        f" {wide}")
+  table = _float8_table(narrow)
+  if table is not None:
+    # Every value of the format must survive x's dtype (float8_e8m0fnu's
+    # 2**127 does not survive float16).
+    with np.errstate(over="ignore", invalid="ignore"):   # What we test.
+      kept = table.astype(wide).astype(np.float32)
+    if not np.array_equal(kept, table, equal_nan=True):
+      raise ValueError(
+          f"round_to: x's {wide} cannot hold every value of {narrow}")
+    return float8_values(x.astype(narrow)).astype(wide)
+  if narrow not in _IEEE_FLOATS:
+    raise TypeError(
+        "round_to: dtype must be float16, bfloat16, float32, float64 or an"
+        f" 8-bit float, got {narrow}")
   fn, fw = jnp.finfo(narrow), jnp.finfo(wide)
   if fn.nexp >= fw.nexp and fn.nmant >= fw.nmant:
     return x  # Every value of x's dtype is a value of dtype.

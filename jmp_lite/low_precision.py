@@ -265,7 +265,10 @@ def _round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
   near_wide = _dtypes.round_to(x, dtype)
   near = near_wide.astype(dtype)
   err = x - near_wide
-  toward = jnp.where(err > 0, jnp.inf, -jnp.inf).astype(dtype)
+  # Toward the largest finite value, not infinity: FP8 formats without one
+  # (float8_e4m3fn) cast infinity to NaN, and then nothing ever rounded away.
+  top = float(jnp.finfo(dtype).max)
+  toward = jnp.where(err > 0, top, -top).astype(dtype)
   other = jnp.nextafter(near, toward)
   gap = other.astype(x.dtype) - near_wide
   uniform = (bits >> 8).astype(x.dtype) * (2.0**-24)

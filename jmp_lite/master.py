@@ -70,8 +70,11 @@ def _param_update(new_master: Any, old_master: Any, update: Any,
   # element, computed against the param as it is, closes the gap.
   wide = jnp.promote_types(param.dtype, jnp.float32)
   # round_to, not a cast pair, which XLA:GPU deletes: the delta would then
-  # be rounded twice on its way into the param.
-  target = _dtypes.round_to(new_master, param.dtype).astype(wide)
+  # be rounded twice on its way into the param. Rounded from the master's
+  # own values (float64 ones too: no double rounding), held in a dtype that
+  # holds both (a bfloat16 master of float16 params: float32).
+  master = new_master.astype(jnp.promote_types(new_master.dtype, wide))
+  target = _dtypes.round_to(master, param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
   moved = (new_master != old_master) & (target != current)
   delta = jnp.where(moved, target - current, jnp.asarray(-0.0, wide))

@@ -17,11 +17,12 @@ compiled is the guard's ``skip_with`` option:
   update runs (``check_updates``, a loss scale that may drop below 1).
 * ``"auto"`` (default): ``"cond"`` on the CPU, where it is measured cheaper
   (``benchmarks/loss_scaling_overhead.py``); ``"select"`` on GPU and TPU.
-  On a GPU the two are the same program: measured on an H100
-  (``benchmarks/gpu_step.py``), XLA:GPU turns the ``lax.cond`` into selects
+  Measured on an H100 (``benchmarks/gpu_step.py``, Adam on an MLP), the two
+  are the same program there: XLA:GPU turns the ``lax.cond`` into selects
   fused into the optimizer's kernels (no conditional, no predicate read by
-  the host), with equal bytes and time. TPU is unmeasured: run
-  ``benchmarks/gpu_step.py`` there and pass ``skip_with=`` the faster one.
+  the host), with equal bytes and time. Other optimizers are unmeasured, and
+  so is TPU: run ``benchmarks/gpu_step.py`` there and pass ``skip_with=``
+  the faster one.
 
 Skipped steps are bit-identical either way; applied steps agree up to float
 rounding (XLA fuses the same arithmetic differently in the two programs).
@@ -108,8 +109,8 @@ class GuardConfig:
       return "cond", "skip_with='auto' on the CPU (measured cheaper there)"
     if backend == "gpu":
       return "select", ("skip_with='auto' on gpu (fused into the optimizer's"
-                        " kernels; XLA:GPU compiles a cond to the same"
-                        " selects, measured on an H100)")
+                        " kernels; XLA:GPU compiled a cond to the same"
+                        " selects for Adam, measured on an H100)")
     return "select", (f"skip_with='auto' on {backend} (fuses into the"
                       " optimizer's kernels; unmeasured there: see"
                       " benchmarks/gpu_step.py)")

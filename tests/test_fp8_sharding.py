@@ -73,6 +73,22 @@ SCRIPT = textwrap.dedent("""
     np.testing.assert_allclose(observed.pending[:2],
                                [np.abs(x_np).max(), np.abs(w_np).max()])
     print("ok shard_map delayed")
+
+    # A dot too small for a GPU GEMM (4x8 @ 8x3) takes its FP8 values in
+    # float32 on a GPU: with a batch-sharded operand too. Traced as on a GPU
+    # (JAX caches custom_vjp traces: cleared around the switch).
+    xs, ws = x_np[:4, :8], w_np[:8, :3]
+    small_ref = jax.jit(jax.value_and_grad(loss, (0, 1)))(
+        jnp.asarray(ws), jnp.asarray(xs))
+    jax.default_backend = lambda: "gpu"
+    jax.clear_caches()
+    v, (gw, gx) = jax.jit(jax.value_and_grad(loss, (0, 1)))(
+        jax.device_put(ws, NamedSharding(mesh, P())),
+        jax.device_put(xs, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(v, small_ref[0], rtol=1e-6)
+    np.testing.assert_allclose(gw, small_ref[1][0], rtol=1e-6, atol=1e-6)
+    assert gx.sharding.spec == P("data", None), gx.sharding
+    print("ok small dot, gpu fallback, sharded")
 """)
 
 
@@ -83,5 +99,5 @@ def test_fp8_dot_on_four_devices():
                         timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert proc.stdout.splitlines() == [
-      "ok sharded jit", "ok shard_map", "ok shard_map delayed"], (
-          proc.stdout + proc.stderr)
+      "ok sharded jit", "ok shard_map", "ok shard_map delayed",
+      "ok small dot, gpu fallback, sharded"], proc.stdout + proc.stderr

@@ -381,6 +381,23 @@ def test_stochastic_state_rounding_follows_adam_second_moment():
   assert abs(results["stochastic"] - want) < 0.02 * want, results
 
 
+@pytest.mark.parametrize("mode", ["jit", "xla_gpu"])
+def test_stochastic_state_rounding_to_float8_is_unbiased(mode):
+  """FP8 state too, also where XLA deletes cast round trips (XLA:GPU)."""
+  n, g = 4096, 0.3   # 0.3 lies between the E4M3 values 0.28125 and 0.3125.
+  params = jnp.zeros(n, jnp.bfloat16)
+  opt = jmp_lite.state_dtypes(optax.trace(decay=0.0), jnp.float8_e4m3fn,
+                              rounding="stochastic", seed=4)
+  step = lambda p, s: opt.update(jnp.full(n, g, jnp.bfloat16), s, p)[1]
+  step = jax.jit(step) if mode == "jit" else as_xla_gpu_simplifies(step)
+  stored = step(params, opt.init(params)).inner_state.trace
+  assert_dtype(stored, jnp.float8_e4m3fn)
+  values = np.asarray(stored, np.float32)
+  assert set(np.unique(values)) == {0.28125, 0.3125}
+  g_bf16 = float(jnp.bfloat16(g))   # What the state is handed.
+  assert abs(values.mean() - g_bf16) < 4.5 * 0.016 / np.sqrt(n)
+
+
 # ----------------------------------------------------- composition and skips
 
 NOOP = jmp_lite.NoOpLossScale()

@@ -260,3 +260,22 @@ def test_params_equal_the_rounded_master_where_xla_deletes_cast_round_trips():
                                 1 + 2.0**-8 + 2.0**-20)
   np.testing.assert_array_equal(np.asarray(params["w"], np.float64),
                                 1 + 2.0**-7)
+
+
+@pytest.mark.parametrize("master,param", [(jnp.bfloat16, jnp.float16),
+                                          (jnp.float16, jnp.bfloat16)],
+                         ids=["bf16-master-f16-params",
+                              "f16-master-bf16-params"])
+def test_a_master_of_the_other_half_dtype(master, param):
+  params = {"w": jnp.ones(4, param)}
+  opt = jmp_lite.master_weights(optax.sgd(0.05), dtype=master)
+  state = opt.init(params)
+  for _ in range(3):
+    updates, state = opt.update({"w": jnp.ones(4, param)}, state, params)
+    params = optax.apply_updates(params, updates)
+  m = jmp_lite.master_params(state)["w"]
+  assert_dtype(m, master)
+  assert_dtype(params["w"], param)
+  np.testing.assert_array_equal(np.asarray(params["w"]),
+                                np.asarray(m.astype(param)))
+  assert float(params["w"][0]) < 0.9

@@ -269,7 +269,7 @@ def test_the_formulation_is_what_runs(skip_with):
       grads)
   array_selects = [p for p, nd in prims if p == "select_n" and max(nd) > 0]
   if (skip_with if skip_with != "auto" else AUTO_SKIP_WITH) == "select":
-    assert kind == "update" and "skip_with='" in why
+    assert kind == "update" and f"skip_with='{skip_with}'" in why
     assert array_selects and "cond" not in [p for p, _ in prims]
   else:
     assert kind == "cond" and "lax.cond" in why

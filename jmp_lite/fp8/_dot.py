@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite.dtypes import float8_values
 from jmp_lite.fp8._quantize import (
   amax_of,
   cast_saturating,
@@ -126,19 +127,6 @@ def _permuted(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
 _GPU_LOOP_DOT_ELEMENTS = 100
 
 
-def _exact_f32(q: jax.Array) -> jax.Array:
-  """FP8 values as float32, looked up by their bits.
-
-  Not ``q.astype(float32)``: XLA:GPU deletes that cast together with the
-  quantising cast before it (``--xla_allow_excess_precision``), and the dot
-  would then see unrounded values. A 256-entry table is exact for every
-  FP8 format, NaN and subnormals included.
-  """
-  table = np.arange(256, dtype=np.uint8).view(q.dtype).astype(np.float32)
-  bits = jax.lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.int32)
-  return jnp.asarray(table)[bits]
-
-
 def _matmul(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
             **kwargs: Any) -> jax.Array:
   """``dot_general`` of two FP8 arrays, accumulated and returned in float32.
@@ -152,7 +140,10 @@ def _matmul(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
         int(np.prod([n for d, n in enumerate(x.shape) if d not in batch]))
         for x, batch in ((lhs, lb), (rhs, rb)))
     if per_batch < _GPU_LOOP_DOT_ELEMENTS:
-      lhs, rhs = _exact_f32(lhs), _exact_f32(rhs)
+      # Decoded from the bits: a cast to float32 would be deleted with the
+      # quantising cast before it (XLA:GPU's excess precision), leaving
+      # unrounded values.
+      lhs, rhs = float8_values(lhs), float8_values(rhs)
   return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32,
                              **kwargs)
 
