@@ -84,7 +84,7 @@ def build_variants(loss: Callable, scale: Any,
 
 def conditionals(hlo_text: str) -> int:
   """``conditional`` ops in compiled HLO text."""
-  return len(re.findall(r"\) conditional\(|\] conditional\(", hlo_text))
+  return len(re.findall(r"[)\]] conditional\(", hlo_text))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
