@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["canonical_name", "cast_floating", "float8_values", "half_dtype",
-           "is_floating_array", "is_inexact_array", "is_live_state",
-           "is_opaque", "parse_dtype", "round_to", "to_floating_dtype"]
+__all__ = ["at_least_float32", "canonical_name", "cast_floating",
+           "float8_values", "half_dtype", "is_floating_array",
+           "is_inexact_array", "is_live_state", "is_opaque", "parse_dtype",
+           "round_to", "to_floating_dtype"]
 
 # Canonical short name first: it is what ``str(Policy)`` prints.
 _ALIASES: dict[np.dtype, tuple[str, ...]] = {
@@ -310,6 +311,30 @@ def is_inexact_array(x: Any) -> bool:
   if _is_extended(x.dtype):
     return False
   return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def at_least_float32(dtype: Any) -> np.dtype:
+  """``dtype`` widened to float32 precision: where half and FP8 values compute.
+
+  ``jnp.promote_types(dtype, float32)``, except that FP8 dtypes, which JAX
+  refuses to promote implicitly, give float32 too.
+
+  Args:
+    dtype: a floating or complex dtype.
+
+  Returns:
+    float32 for narrower real floats; ``dtype`` itself when it is at least
+    as wide (float64, complex64, complex128).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.dtypes.at_least_float32(jnp.float8_e4m3fn)
+    dtype('float32')
+  """
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return np.dtype(np.float32)
+  return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 # The dtypes round_to rounds in, and the IEEE-style targets (an infinity,

@@ -45,8 +45,7 @@ def all_finite(tree: Any) -> jax.Array:
   partials = [
       # x - x is 0 for finite x and NaN for +-inf and NaN (like x * 0, but
       # with no broadcast constant, which XLA:CPU would materialise).
-      jnp.sum(x - x).astype(
-          jnp.promote_types(x.dtype, jnp.float32))
+      jnp.sum(x - x).astype(_dtypes.at_least_float32(x.dtype))
       for x in jax.tree.leaves(tree)
       if _dtypes.is_inexact_array(x)
   ]

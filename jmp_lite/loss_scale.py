@@ -115,7 +115,7 @@ def _multiply(tree: T, factor: jax.Array) -> T:
   def mul(x: Any) -> Any:
     if not _dtypes.is_inexact_array(x):
       return x
-    wide = jnp.promote_types(x.dtype, jnp.float32)
+    wide = _dtypes.at_least_float32(x.dtype)
     real = jnp.finfo(wide).dtype
     return (x.astype(wide) * jnp.asarray(factor, real)).astype(x.dtype)
 

@@ -55,7 +55,8 @@ class KahanState:
 
   Attributes:
     compensation: per param leaf, the rounding error not yet applied, in the
-      param's dtype; ``None`` for float32/float64 and non-floating leaves.
+      param's dtype (bfloat16 for FP8 params); ``None`` for float32/float64
+      and non-floating leaves.
     inner_state: the wrapped optimizer's state.
   """
 
@@ -144,7 +145,7 @@ def _wide(*xs: Any) -> np.dtype:
   dtype = _F32
   for x in xs:
     if _dtypes.is_floating_array(x):
-      dtype = jnp.promote_types(dtype, x.dtype)
+      dtype = jnp.promote_types(dtype, _dtypes.at_least_float32(x.dtype))
   return np.dtype(dtype)
 
 
@@ -182,16 +183,25 @@ def _inner_applied(inner_state: Any) -> jax.Array:
   return applied
 
 
-def _delta(new_wide: jax.Array, p_wide: jax.Array) -> jax.Array:
-  """The update taking ``p`` to ``new`` under ``optax.apply_updates``.
+def _delta(new_wide: jax.Array, p_wide: jax.Array, dtype: Any,
+           also: jax.Array | None = None) -> jax.Array:
+  """The update taking ``p`` (of ``dtype``) to ``new`` under ``apply_updates``.
 
   Both are values of the param's dtype held in a wider float, so their
   difference is exact unless they are 2**16 (bfloat16) / 2**13 (float16)
   binades apart, and ``(p + delta).astype(p.dtype)`` lands exactly on
-  ``new``. ``-0.0`` where nothing moves: ``p + -0.0`` is ``p`` bit for bit.
+  ``new``. ``-0.0`` where nothing moves (or ``also`` is false): ``p + -0.0``
+  is ``p`` bit for bit. FP8 params get FP8 updates, since JAX will not add
+  a float32 update to an FP8 param; such a difference is exact while ``new``
+  is within a factor of two of ``p`` (Sterbenz), and a bigger leap lands
+  within one rounding.
   """
-  return jnp.where(new_wide != p_wide, new_wide - p_wide,
-                   jnp.asarray(-0.0, new_wide.dtype))
+  moved = new_wide != p_wide
+  if also is not None:
+    moved = moved & also
+  delta = jnp.where(moved, new_wide - p_wide,
+                    jnp.asarray(-0.0, new_wide.dtype))
+  return delta.astype(dtype) if np.dtype(dtype).itemsize == 1 else delta
 
 
 # ------------------------------------------------------- random bits (hash)
@@ -302,13 +312,22 @@ def _leaf_specs(specs: Any, tree: Any, what: str) -> list[Any]:
 # ----------------------------------------------------------- kahan_summation
 
 
+def _compensation_dtype(dtype: Any) -> np.dtype:
+  # FP8's 2-3 mantissa bits stall a residual long before it is worth an ulp
+  # of the param; bfloat16 holds FP8's whole range with 8 bits.
+  dtype = np.dtype(dtype)
+  return np.dtype(jnp.bfloat16) if dtype.itemsize == 1 else dtype
+
+
 def kahan_summation(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
   """Applies ``inner``'s updates to half-precision params with compensation.
 
   For every bfloat16/float16 param leaf the state keeps a compensation buffer
-  ``c`` of the param's dtype. Each step computes, in float32,
+  ``c`` of the param's dtype (bfloat16 for an FP8 param: two or three
+  mantissa bits cannot carry the residual, and it would stop growing long
+  before it reached the param's half ulp). Each step computes, in float32,
   ``s = p + (u + c)`` (``u``: ``inner``'s update), the new param
   ``round(s)`` and the new buffer ``s - round(s)``, and returns the update
   that makes ``optax.apply_updates(params, updates)`` land exactly on
@@ -317,7 +336,9 @@ def kahan_summation(
   float32 run to about one ulp of the param's dtype.
 
   Returned updates are float32 for half-precision leaves (the exact
-  difference of two half values). float32/float64 and non-floating leaves
+  difference of two half values) and FP8 for FP8 leaves (JAX adds no
+  float32 update to an FP8 param; exact while the param moves by less than
+  a factor of two). float32/float64 and non-floating leaves
   have no buffer and pass ``inner``'s updates through unchanged. An element
   whose update is exactly zero keeps its param and buffer as they were.
 
@@ -357,7 +378,8 @@ def kahan_summation(
 
   def init(params: Any) -> KahanState:
     compensation = jax.tree.map(
-        lambda p: jnp.zeros(p.shape, p.dtype) if _is_narrow(p) else None,
+        lambda p: jnp.zeros(p.shape, _compensation_dtype(p.dtype))
+        if _is_narrow(p) else None,
         params)
     return KahanState(compensation=compensation,
                       inner_state=_unaliased(inner.init(params), params))
@@ -374,9 +396,7 @@ def kahan_summation(
     # |s - new| <= half an ulp of new: exact in float32, rounded into c.
     moved = u_wide != 0
     new_c = jnp.where(moved, (s - new_wide).astype(c.dtype), c)
-    delta = jnp.where(moved, _delta(new_wide, p_wide),
-                      jnp.asarray(-0.0, wide))
-    return delta, new_c
+    return _delta(new_wide, p_wide, p.dtype, also=moved), new_c
 
   def update(updates: Any, state: KahanState, params: Any = None,
              **extra: Any) -> tuple[Any, KahanState]:
@@ -421,7 +441,8 @@ def stochastic_rounding(
   :func:`~jmp_lite.loss_scaled`, :func:`~jmp_lite.skip_nonfinite` or
   :func:`~jmp_lite.accumulate_gradients` inside or outside leaves the state
   bit-identical. float32/float64 and non-floating leaves pass ``inner``'s
-  updates through unchanged.
+  updates through unchanged. Updates of FP8 params are FP8 (JAX adds no
+  float32 update to them); of half-precision params, float32.
 
   Args:
     inner: the optimizer whose updates to apply.
@@ -481,7 +502,7 @@ def stochastic_rounding(
       s = p_wide + u.astype(wide)
       bits = _random_bits(key, i, p.shape, leaf_specs[i])
       new_wide = _round_stochastic(s, p.dtype, bits).astype(wide)
-      return _delta(new_wide, p_wide)
+      return _delta(new_wide, p_wide, p.dtype)
 
     new_updates = treedef.unflatten(
         [leaf(i, p, u)

@@ -68,12 +68,13 @@ def _param_update(new_master: Any, old_master: Any, update: Any,
   # of two of each other. A bigger leap (a param crossing towards zero)
   # lands within one rounding, and the next step that moves that master
   # element, computed against the param as it is, closes the gap.
-  wide = jnp.promote_types(param.dtype, jnp.float32)
+  wide = _dtypes.at_least_float32(param.dtype)
   # round_to, not a cast pair, which XLA:GPU deletes: the delta would then
   # be rounded twice on its way into the param. Rounded from the master's
   # own values (float64 ones too: no double rounding), held in a dtype that
   # holds both (a bfloat16 master of float16 params: float32).
-  master = new_master.astype(jnp.promote_types(new_master.dtype, wide))
+  master = new_master.astype(
+      jnp.promote_types(_dtypes.at_least_float32(new_master.dtype), wide))
   target = _dtypes.round_to(master, param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
   moved = (new_master != old_master) & (target != current)
@@ -202,11 +203,10 @@ def master_params(opt_state: Any) -> Any:
   return found[0].master
 
 
-_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-
-
 def half_precision_leaves(tree: Any) -> list[str]:
-  """Key paths of the float16/bfloat16 array leaves of ``tree``.
+  """Key paths of the floating array leaves of ``tree`` narrower than float32.
+
+  float16, bfloat16 and the FP8 formats.
 
   Args:
     tree: any pytree (an optimizer state, say).
@@ -222,5 +222,5 @@ def half_precision_leaves(tree: Any) -> list[str]:
   return [
       f"{jax.tree_util.keystr(path)} ({np.dtype(x.dtype).name})"
       for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-      if _dtypes.is_floating_array(x) and np.dtype(x.dtype) in _HALF_DTYPES
+      if _dtypes.is_floating_array(x) and np.dtype(x.dtype).itemsize < 4
   ]

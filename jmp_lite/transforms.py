@@ -631,10 +631,10 @@ def loss_scaled(
       raise TypeError(
           "The optimizer state would hold half-precision leaves: "
           + ", ".join(half[:4]) + (" ..." if len(half) > 4 else "")
-          + ". Moments in float16/bfloat16 silently lose small updates. Keep"
-          " float32 master weights with jmp_lite.master_weights(loss_scaled("
-          "...)), or pass allow_half_state=True to loss_scaled if this is"
-          " deliberate."
+          + ". Moments in float16/bfloat16/FP8 silently lose small updates."
+          " Keep float32 master weights with"
+          " jmp_lite.master_weights(loss_scaled(...)), or pass"
+          " allow_half_state=True to loss_scaled if this is deliberate."
       )
     return LossScaledState(
         inner_state=inner_state,

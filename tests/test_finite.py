@@ -10,8 +10,11 @@ import pytest
 import jmp_lite
 from tests.conftest import assert_dtype, FLOAT_DTYPE_IDS, FLOAT_DTYPES
 
-ALL = FLOAT_DTYPES + [jnp.float64, jnp.complex64]
-ALL_IDS = FLOAT_DTYPE_IDS + ["f64", "c64"]
+# FP8 too: JAX refuses to promote it implicitly (e4m3fn has no inf at all,
+# so an inf written to it is NaN).
+ALL = FLOAT_DTYPES + [jnp.float64, jnp.complex64, jnp.float8_e4m3fn,
+                      jnp.float8_e5m2]
+ALL_IDS = FLOAT_DTYPE_IDS + ["f64", "c64", "e4m3fn", "e5m2"]
 
 
 def _tree(dtype):

@@ -161,6 +161,21 @@ def test_scale_is_always_strong_float32(make):
   assert not getattr(scale, "weak_type", False)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2],
+                         ids=["e4m3fn", "e5m2"])
+def test_scale_and_unscale_fp8_leaves_in_float32(dtype, variant):
+  """FP8 leaves (which JAX will not promote implicitly) are multiplied in
+  float32 and keep their dtype."""
+  state = jmp_lite.StaticLossScale(2.0**10)
+  tree = {"g": jnp.asarray([0.25, -0.125, 0.0], dtype)}
+  scaled = variant(lambda s, t: s.scale(t))(state, tree)
+  assert_dtype(scaled["g"], dtype)
+  np.testing.assert_array_equal(np.asarray(scaled["g"], np.float32),
+                                [256.0, -128.0, 0.0])
+  chex.assert_trees_all_equal(
+      variant(lambda s, t: s.unscale(t))(state, scaled), tree)
+
+
 def test_scale_and_unscale_skip_non_float_leaves():
   state = jmp_lite.StaticLossScale(4.0)
   tree = {"i": jnp.arange(3), "f": jnp.ones(2), "n": None,

@@ -109,7 +109,8 @@ def test_master_params_lookup_errors():
     jmp_lite.master_params(optax.sgd(0.1).init({"w": jnp.ones(2)}))
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", HALF + [jnp.float8_e4m3fn],
+                         ids=["bf16", "f16", "e4m3fn"])
 def test_loss_scaled_refuses_half_moments_unless_allowed(dtype):
   params = {"w": jnp.ones((2, 2), dtype)}
   opt = jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale())
