@@ -4,8 +4,10 @@
    cross-entropy) is written once in float32 and run through
    ``jmp_lite.autocast(..., bfloat16)``, and once more with every cast written
    by hand the way autocast would place them (matmuls in bfloat16 with float32
-   accumulation; exp, log and the reductions in float32). Reported: convert ops
-   and bytes accessed in the compiled HLO, and an interleaved wall-clock ratio.
+   accumulation and a bfloat16 product; bias adds and ReLU in the promoted
+   type, float32; exp, log and the reductions in float32). Reported: convert
+   ops and bytes accessed in the compiled HLO, and an interleaved wall-clock
+   ratio.
 2. Tracing. Autocast traces the function, then re-binds every primitive
    re-typed, so ``jax.jit(...).lower(...)`` takes longer than for the plain
    function. Reported: the time to lower the plain float32 function and its
@@ -50,13 +52,16 @@ def loss_f32(params, x, labels):
 
 
 def loss_by_hand(params, x, labels):
-  h = x.astype(BF16)
+  # Autocast's placement: matmul operands in bfloat16, the product in
+  # bfloat16 (so the backward matmuls take bfloat16 cotangents too), and
+  # elementwise ops in their operands' promoted type (bfloat16 product +
+  # float32 bias: float32), as torch.autocast promotes.
+  h = x
   for w, b in params[:-1]:
-    h = jnp.dot(h, w.astype(BF16), preferred_element_type=F32).astype(BF16)
-    h = jax.nn.relu(h + b.astype(BF16))
+    h = jnp.dot(h.astype(BF16), w.astype(BF16)).astype(F32)
+    h = jax.nn.relu(h + b)
   w, b = params[-1]
-  logits = jnp.dot(h, w.astype(BF16), preferred_element_type=F32).astype(BF16)
-  logits = (logits + b.astype(BF16)).astype(F32)
+  logits = jnp.dot(h.astype(BF16), w.astype(BF16)).astype(F32) + b
   picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
   return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 

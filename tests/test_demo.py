@@ -142,3 +142,8 @@ def test_autocast_benchmark_runs_small():
        "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
       capture_output=True, text=True, check=True, cwd=ROOT, env=env)
   assert "jmp_lite.autocast" in out.stdout and "Time to lower" in out.stdout
+  # The by-hand baseline places every cast where autocast does: one program.
+  rows = {line.split("|")[1].strip(): line.split("|")[2:4]
+          for line in out.stdout.splitlines()
+          if line.startswith(("| jmp_lite.autocast |", "| cast by hand |"))}
+  assert rows["jmp_lite.autocast"] == rows["cast by hand"], rows
