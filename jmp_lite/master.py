@@ -9,7 +9,7 @@ transformation.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,24 @@ class MasterWeightsState:
     inner_state: the wrapped optimizer's state, built from ``master``.
   """
 
-  # Gradients reach the inner optimizer exactly cast (finite exactly when they
-  # were): jmp_lite.update_and_apply may decide a guard inside it up front.
-  forwards_gradients: ClassVar[bool] = True
-
   master: Any
   inner_state: Any
+
+  @property
+  def forwards_gradients(self) -> bool | str:
+    """Whether the gradients reach the inner optimizer finite exactly when
+    they were, so that :func:`jmp_lite.update_and_apply` may decide a guard
+    inside up front: ``True`` for a float64 master, ``"float32"`` for a
+    float32 one (float64 gradients could overflow the cast), ``False`` for
+    a narrower master (float16 turns large finite gradients into inf)."""
+    # Any leaf with a dtype: arrays, tracers and eval_shape's structs alike.
+    widths = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(self.master)
+              if hasattr(x, "dtype")
+              and not jnp.issubdtype(x.dtype, jax.dtypes.extended)
+              and jnp.issubdtype(x.dtype, jnp.floating)]
+    if all(w >= 8 for w in widths):
+      return True
+    return "float32" if all(w >= 4 for w in widths) else False
 
 
 def _apply(master: Any, update: Any) -> Any:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import dtypes as _dtypes
 from jmp_lite.finite import all_finite
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -48,23 +49,37 @@ _FORWARDING_OPTAX = (optax.InjectHyperparamsState,
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
-def _forwards(node: Any) -> bool:
+def _forwards(node: Any, grads_wider_than_float32: bool) -> bool:
   """Whether ``node``'s transformation passes the step's gradients inward.
 
-  ``optax.chain``/``named_chain`` (plain tuples and dicts),
   ``inject_hyperparams`` and any state class declaring
-  ``forwards_gradients = True`` (``master_weights``) do; accumulation and
-  masking (``accumulate_gradients``, ``MultiSteps``, ``multi_transform``,
-  ``masked``) and unknown wrappers are not assumed to.
+  ``forwards_gradients = True`` (``master_weights`` with a master at least
+  as wide as the gradients) do; accumulation and masking
+  (``accumulate_gradients``, ``MultiSteps``, ``multi_transform``,
+  ``masked``) and unknown wrappers are not assumed to. Chains are handled
+  by the caller: only their first element sees the gradients as they are.
   """
-  if type(node) in (tuple, list, dict):
-    return True
   if isinstance(node, _FORWARDING_OPTAX):
     return True
-  return getattr(type(node), "forwards_gradients", False) is True
+  forwards = getattr(node, "forwards_gradients", False)
+  if forwards == "float32":
+    # Casts the gradients to a float32 master: finite exactly when they
+    # were, unless float64 gradients exceed float32's range.
+    return not grads_wider_than_float32
+  return forwards is True
 
 
-def _find_guards(tree: Any) -> list[tuple[Any, tuple[str, ...]]]:
+def _chain_order(node: Any) -> list[Any] | None:
+  """The elements of an ``optax.chain``/``named_chain`` state, in order."""
+  if type(node) in (tuple, list):
+    return list(node)
+  if isinstance(node, dict):  # named_chain's OrderedDict: in chain order.
+    return list(node.values())
+  return None
+
+
+def _find_guards(tree: Any, grads_wider_than_float32: bool = False
+                 ) -> list[tuple[Any, tuple[str, ...]]]:
   """Every guard state in ``tree``, with the wrappers around it that do not
   forward the gradients."""
   found: list[tuple[Any, tuple[str, ...]]] = []
@@ -74,11 +89,21 @@ def _find_guards(tree: Any) -> list[tuple[Any, tuple[str, ...]]]:
       found.append((node, outside))
       walk(node.inner_state, outside + (type(node).__name__,))
       return
+    chain = _chain_order(node)
+    if chain is not None:
+      # A chain hands the gradients to its first element only; the others
+      # see what the elements before them made of them (optax.scale,
+      # clip or zero_nans can make finite gradients non-finite or back).
+      for i, child in enumerate(chain):
+        walk(child, outside if i == 0 else
+             outside + (f"optax.chain (element {i})",))
+      return
     children, treedef = jax.tree_util.tree_flatten(
         node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1:  # A leaf, or a node without children.
       return
-    inner = outside if _forwards(node) else outside + (type(node).__name__,)
+    inner = (outside if _forwards(node, grads_wider_than_float32)
+             else outside + (type(node).__name__,))
     for child in children:
       walk(child, inner)
 
@@ -86,8 +111,14 @@ def _find_guards(tree: Any) -> list[tuple[Any, tuple[str, ...]]]:
   return found
 
 
-def _plan(opt_state: Any) -> tuple[str, str, Any]:
-  found = _find_guards(opt_state)
+def _wider_than_float32(grads: Any) -> bool:
+  return any(_dtypes.is_floating_array(g) and np.dtype(g.dtype).itemsize > 4
+             for g in jax.tree.leaves(grads))
+
+
+def _plan(opt_state: Any, grads_wider_than_float32: bool = False
+          ) -> tuple[str, str, Any]:
+  found = _find_guards(opt_state, grads_wider_than_float32)
   if not found:
     return "update", ("no loss_scaled or skip_nonfinite state: a plain"
                       " optimizer step"), None
@@ -98,7 +129,8 @@ def _plan(opt_state: Any) -> tuple[str, str, Any]:
   if outside:
     return "update", (f"the guard sits inside {outside[-1]}, which does not"
                       " hand it the step's gradients as they are"
-                      " (accumulation or masking): the guard decides"
+                      " (a transformation before it in a chain,"
+                      " accumulation or masking): the guard decides"
                       " itself"), None
   kind, why = guard.config.formulation()
   if kind == "select":
@@ -181,9 +213,10 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
 
   * **One** ``lax.cond`` **for the whole step** when the guard is the
     optimizer itself or sits inside wrappers that hand it the gradients as
-    they are (``optax.chain``, ``inject_hyperparams``,
-    :func:`~jmp_lite.master_weights`, or a state class declaring
-    ``forwards_gradients = True``) and its own formulation is ``"cond"``
+    they are (first in an ``optax.chain``, ``inject_hyperparams``,
+    :func:`~jmp_lite.master_weights` with a float32 master, or a state class
+    declaring ``forwards_gradients = True``) and its own formulation is
+    ``"cond"``
     (``skip_with="auto"`` on the CPU; not with ``check_updates`` or a scale
     that may drop below 1). The finiteness of ``grads`` is read once (and
     agreed over the guard's ``axis_name``); the taken branch unscales, runs
@@ -192,7 +225,9 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
     on its ``-0.0`` updates, so params and the guard's inner state come
     back bit-identical and only the guard's counters and loss scale move.
   * ``optimizer.update`` + apply otherwise: several guards (e.g. per
-    partition), a guard inside an accumulation or masking wrapper
+    partition), a guard after another element of a chain (``clip``,
+    ``scale`` or ``zero_nans`` before it change which gradients it sees
+    finite), a guard inside an accumulation or masking wrapper
     (:func:`~jmp_lite.accumulate_gradients`, ``MultiSteps``,
     ``multi_transform``: only the guard sees its own decision), or a
     ``"select"`` guard. Each guard then skips inside its own ``update``.
@@ -239,7 +274,7 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
         "update_and_apply needs the params to apply the updates to: call"
         " update_and_apply(optimizer, grads, opt_state, params)")
   grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
-  kind, _, guard = _plan(opt_state)
+  kind, _, guard = _plan(opt_state, _wider_than_float32(grads))
   if kind == "update":
     updates, new_state = optimizer.update(grads, opt_state, params, **extra)
     return apply_updates(params, updates), new_state

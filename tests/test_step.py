@@ -98,6 +98,17 @@ COMPOSITIONS = {
             {"g": _ls(name="g"), "d": _ls(name="d")},
             {"dense": "g", "out": "d"}),
         jnp.float32, True, "update", False),
+    # A chain element before the guard changes what it sees (NaN steps are
+    # applied here, inf ones skipped): the guard must decide on its own.
+    "chain(zero_nans, guard)": (
+        lambda: optax.chain(optax.zero_nans(), jmp_lite.skip_nonfinite(
+            _inner(), max_consecutive_skips=50)),
+        jnp.float32, False, "update", False),
+    # A float16 master turns large finite gradients into inf.
+    "master_weights(float16 master)": (
+        lambda: jmp_lite.master_weights(jmp_lite.loss_scaled(
+            optax.sgd(1e-2), _scale()), dtype=jnp.float16),
+        jnp.float32, True, "update", True),
 }
 
 
@@ -296,6 +307,47 @@ def test_formulation_reasons():
   assert kind == "update" and "2 guards" in why
   kind, why = kind_and_why(jmp_lite.accumulate_gradients(_ls(), every_k=2))
   assert kind == "update" and "AccumulateState" in why
+  kind, why = kind_and_why(optax.chain(optax.clip(1.0), _ls()))
+  assert kind == "update" and "optax.chain (element 1)" in why
+  kind, why = kind_and_why(optax.named_chain(("clip", optax.clip(1.0)),
+                                             ("guarded", _ls())))
+  assert kind == "update" and "optax.chain (element 1)" in why
+  assert kind_and_why(optax.chain(_ls(), optax.scale(0.5)))[0] == AUTO_KIND
+  assert kind_and_why(optax.named_chain(
+      ("guarded", _ls()), ("scale", optax.scale(0.5))))[0] == AUTO_KIND
+  kind, why = kind_and_why(jmp_lite.master_weights(
+      jmp_lite.loss_scaled(optax.sgd(0.1), _scale()), dtype=jnp.float16))
+  assert kind == "update" and "MasterWeightsState" in why
+
+
+@pytest.mark.parametrize("case", ["scale before", "float16 master",
+                                  "float64 grads, float32 master"])
+def test_finite_gradients_the_guard_sees_as_inf_are_skipped(case):
+  """update_and_apply decides what the guard would: the gradients as they
+  reach it. Here they are finite as given and overflow on the way in."""
+  with jax.enable_x64(case.startswith("float64")):
+    ls = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.NoOpLossScale())
+    opt, params, big = {
+        "scale before": lambda: (optax.chain(optax.scale(1e10), ls),
+                                 {"w": jnp.ones(3)}, 1e30),
+        "float16 master": lambda: (
+            jmp_lite.master_weights(ls, dtype=jnp.float16),
+            {"w": jnp.ones(3)}, 1e5),
+        "float64 grads, float32 master": lambda: (
+            jmp_lite.master_weights(ls), {"w": jnp.ones(3, jnp.float64)},
+            1e300),
+    }[case]()
+    grads = {"w": jnp.asarray([big, 1.0, 1.0], params["w"].dtype)}
+    state = opt.init(params)
+    assert jmp_lite.step.formulation(state)[0] in ("update", AUTO_KIND)
+    updates, want_state = opt.update(grads, state, params)
+    want = optax.apply_updates(params, updates)
+    got, got_state = jax.jit(jmp_lite.update_and_apply, static_argnums=0)(
+        opt, grads, state, params)
+    chex.assert_trees_all_equal(got, want, params)
+    chex.assert_trees_all_equal(got_state, want_state)
+    assert int(jmp_lite.struct.find_nodes(
+        got_state, jmp_lite.LossScaledState)[0].total_skips) == 1
 
 
 def test_check_updates_and_low_scales_still_skip_through_update_and_apply():
