@@ -68,8 +68,8 @@ LOWER_PRECISION: tuple[str, ...] = ("dot_general", "conv_general_dilated")
 """Primitives run in the compute dtype by default."""
 
 FLOAT32: tuple[str, ...] = (
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "rsqrt",
-    "acos", "asin", "cosh", "sinh", "tan", "erf_inv", "logistic",
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
+    "rsqrt", "acos", "asin", "cosh", "sinh", "tan", "erf_inv", "logistic",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 )
 """Primitives run in float32 by default (PyTorch's CUDA float32 list)."""

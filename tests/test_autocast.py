@@ -562,3 +562,29 @@ def test_gradient_matmuls_run_in_the_compute_dtype(dtype):
   # Same values as float32 within half-precision rounding.
   ref = jax.grad(loss, argnums=(0, 1))(*args)
   chex.assert_trees_all_close(grad(*args), ref, rtol=2e-2, atol=2e-3)
+
+
+
+@pytest.mark.parametrize("square", [jnp.square, lambda h: h ** 2],
+                         ids=["square", "integer_pow"])
+def test_norms_and_losses_of_representable_activations_do_not_overflow(
+    square, variant):
+  """Activations of 300 fit float16, their squares (90000) do not: squares
+  run in float32, lax.square (jnp.square) as integer_pow (x ** 2) does.
+  Before, RMS norms of such activations came out inf, and Flax's RMSNorm
+  silently returned zeros."""
+  w = jnp.eye(4) * 300.0
+  x = jnp.array([[1.0, -1.0, 1.0, -1.0]])
+
+  def rms(w, x):
+    return jnp.sqrt(jnp.mean(square(x @ w)))
+
+  def linen_rms_norm(w, x):
+    m = nn.RMSNorm()
+    return m.apply(m.init(jax.random.key(0), x), x @ w)
+
+  got = variant(jmp_lite.autocast(rms, jnp.float16))(w, x)
+  np.testing.assert_allclose(float(got), 300.0, rtol=1e-3)
+  out = variant(jmp_lite.autocast(linen_rms_norm, jnp.float16))(w, x)
+  np.testing.assert_allclose(np.abs(np.asarray(out, np.float32)), 1.0,
+                             rtol=1e-2)
