@@ -40,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -278,6 +280,12 @@ class _Memo:
 
   def __init__(self) -> None:
     self.classes: dict[Any, tuple[dict[Path, type], set[Path]]] = {}
+    # The same, per function passed as ``method=``: held weakly, so that a
+    # freed lambda's entries go with it (keyed by id, a new lambda reusing
+    # the id got the old one's module classes).
+    self.by_function: weakref.WeakKeyDictionary[
+        Any, dict[Any, tuple[dict[Path, type], set[Path]]]] = (
+            weakref.WeakKeyDictionary())
     self.lock = threading.Lock()
     # Keys of traced applies whose outputs were not all arrays: those run
     # uncached from then on.
@@ -501,13 +509,19 @@ class MixedPrecision(nn.Module):
                 ) -> tuple[dict[Path, type], set[Path]]:
     """Each module path's class, from one abstract trace (memoised)."""
     variables = self.variables
-    key = (method if isinstance(method, (str, type(None))) else id(method),
-           _aval_key(dict(variables)), _aval_key((args, kwargs)))
-    if None in key[1:]:
-      key = None
+    key: Any = (_aval_key(dict(variables)), _aval_key((args, kwargs)))
+    table: Any = None
     with self.memo.lock:
-      if key is not None and key in self.memo.classes:
-        classes, boundaries = self.memo.classes[key]
+      if None in key:
+        pass
+      elif isinstance(method, (str, type(None))):
+        table, key = self.memo.classes, (method, *key)
+      elif isinstance(method, types.FunctionType):
+        table = self.memo.by_function.setdefault(method, {})
+      # Anything else (a bound method is a new object at every access) is
+      # traced each time rather than keyed by an id Python may reuse.
+      if table is not None and key in table:
+        classes, boundaries = table[key]
         return dict(classes), set(boundaries)
     fn = _call_method(method)
     call = _Call(self.rule_set, (), {}, False)
@@ -525,9 +539,9 @@ class MixedPrecision(nn.Module):
     arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
     jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
     self.rule_set.check_strict(call.classes)
-    if key is not None:
+    if table is not None:
       with self.memo.lock:
-        self.memo.classes[key] = (dict(call.classes), set(call.boundaries))
+        table[key] = (dict(call.classes), set(call.boundaries))
     return call.classes, call.boundaries
 
   def init(self, rngs: Any, *args: Any, method: Any = None,

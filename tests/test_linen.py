@@ -600,6 +600,45 @@ def test_method_and_memoised_discovery():
     model.apply(variables, x, method=3)
 
 
+def test_a_new_method_function_is_discovered_afresh():
+  """A freed ``method=`` lambda's id goes to the next lambda Python makes;
+  the memo must not hand that one the freed lambda's module classes (it
+  did: decode's LayerNorm then ran in bfloat16, no float32 island)."""
+
+  class AutoEncoder(nn.Module):
+    def setup(self):
+      self.enc = nn.Dense(4, dtype=jnp.float32)
+      self.ln = nn.LayerNorm(dtype=jnp.float32)
+      self.dec = nn.Dense(6, dtype=jnp.float32)
+
+    def __call__(self, x):
+      return self.decode(self.encode(x))
+
+    def encode(self, x):
+      return self.enc(x)
+
+    def decode(self, z):
+      return self.dec(self.ln(z))
+
+  policy = "p=f32,c=bf16,o=f32"
+  x = jax.random.normal(jax.random.key(2), (2, 4))
+  model = jl.mixed_precision(AutoEncoder(), policy)
+  variables = model.init(jax.random.key(0), x)
+  encode = lambda m, x: m.encode(x)  # noqa: E731
+  model.apply(variables, x, method=encode)
+  freed = id(encode)
+  del encode
+  decode, kept = lambda m, z: m.decode(z), []  # noqa: E731
+  while id(decode) != freed and len(kept) < 64:  # CPython reuses it at once.
+    kept.append(decode)
+    decode = lambda m, z: m.decode(z)  # noqa: E731
+  assert id(decode) == freed
+  want = jl.mixed_precision(AutoEncoder(), policy).apply(
+      variables, x, method=lambda m, z: m.decode(z))
+  chex.assert_trees_all_equal(model.apply(variables, x, method=decode), want)
+  assert "c=f32" in model.policy_for(variables, x, method=decode)["ln"]
+
+
 def test_bad_inputs_name_the_value_and_the_fix():
   with pytest.raises(TypeError, match=r"instantiate the class first"):
     jl.mixed_precision(CNN, "bf16")
