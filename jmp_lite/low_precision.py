@@ -63,6 +63,9 @@ class KahanState:
   # Gradients reach ``inner`` unchanged: jmp_lite.update_and_apply may decide
   # a guard inside up front (the skipped branch's -0.0 updates move nothing).
   forwards_gradients: ClassVar[bool] = True
+  # The compensation is half on purpose (loss_scaled's check for half
+  # moments leaves it be; the inner state is still checked).
+  half_by_design: ClassVar[tuple[str, ...]] = ("compensation",)
 
   compensation: Any
   inner_state: Any
@@ -102,6 +105,9 @@ class StateDtypesState:
 
   # Gradients reach ``inner`` exactly upcast, finite exactly when they were.
   forwards_gradients: ClassVar[bool] = True
+  # Half leaves here are stored half and computed in float32: loss_scaled's
+  # check for half moments leaves them be.
+  half_by_design: ClassVar[tuple[str, ...]] = ("inner_state",)
 
   inner_state: Any
   seed: Any = None

@@ -526,6 +526,22 @@ def default_loss_scale(policy: Policy | str) -> LossScale:
   return NoOpLossScale()
 
 
+def _without_half_by_design(tree: Any) -> Any:
+  """``tree`` less the fields its state classes keep half on purpose
+  (``half_by_design``: Kahan's compensation, state_dtypes' stored state)."""
+  def designed(node: Any) -> bool:
+    return bool(getattr(type(node), "half_by_design", ()))
+
+  def strip(node: Any) -> Any:
+    if not designed(node):
+      return node
+    return dataclasses.replace(node, **{
+        f.name: None if f.name in type(node).half_by_design
+        else _without_half_by_design(getattr(node, f.name))
+        for f in dataclasses.fields(node)})
+  return jax.tree.map(strip, tree, is_leaf=designed)
+
+
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | Policy | str,
@@ -559,10 +575,13 @@ def loss_scaled(
       then skips and backs off together.
     name: a label for :func:`current_loss_scale` when several loss-scaled
       optimizers live in one state.
-    allow_half_state: ``init`` refuses an inner state with float16/bfloat16
-      leaves (Adam's moments take the dtype of half-precision params, and
-      then small updates vanish) unless this is ``True``. The usual fix is
-      :func:`master_weights` around this transformation.
+    allow_half_state: ``init`` refuses an inner state with float16,
+      bfloat16 or FP8 leaves (Adam's moments take the dtype of
+      half-precision params, and then small updates vanish) unless this is
+      ``True``. The usual fix is :func:`master_weights` around this
+      transformation. Leaves half by design do not count: the compensation
+      of :func:`kahan_summation` and what :func:`state_dtypes` stores (it
+      computes in float32).
     track_nonfinite: keep per-leaf counts of non-finite gradient elements in
       ``state.nonfinite`` (costs one more read of the gradients).
     check_updates: also skip a step whose *updates* are non-finite although
@@ -626,7 +645,7 @@ def loss_scaled(
 
   def init(params: Any) -> LossScaledState:
     inner_state = inner.init(params)
-    half = half_precision_leaves(inner_state)
+    half = half_precision_leaves(_without_half_by_design(inner_state))
     if half and not allow_half_state:
       raise TypeError(
           "The optimizer state would hold half-precision leaves: "

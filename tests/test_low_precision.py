@@ -590,6 +590,32 @@ def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
   )[0].total_skips) == 1
 
 
+@pytest.mark.parametrize("inner", ["kahan(state_dtypes)", "sr(state_dtypes)",
+                                   "state_dtypes(stochastic)"])
+def test_loss_scaled_outside_needs_no_allow_half_state(inner):
+  """Kahan's half compensation and state_dtypes' half storage are half by
+  design: loss_scaled outside them does not ask for allow_half_state (which
+  also turns on check_updates and so the slower path), while moments
+  *computed* in half are still refused."""
+  adam = optax.adam(1e-2)
+  sd = lambda o, **kw: jmp_lite.state_dtypes(o, "bf16", **kw)
+  opt = jmp_lite.loss_scaled({
+      "kahan(state_dtypes)": lambda: jmp_lite.kahan_summation(sd(adam)),
+      "sr(state_dtypes)": lambda: jmp_lite.stochastic_rounding(sd(adam)),
+      "state_dtypes(stochastic)": lambda: sd(adam, rounding="stochastic"),
+  }[inner](), NOOP)
+  params = _params()
+  state = opt.init(params)
+  assert jmp_lite.step.formulation(state)[0] == AUTO_KIND
+  step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
+  params, state = step(params, state, _grads(0))
+  skipped = step(params, state, _grads(1, bad=True))
+  chex.assert_trees_all_equal(skipped[0], params)
+  chex.assert_trees_all_equal(_ours(skipped[1]), _ours(state))
+  with pytest.raises(TypeError, match=r"inner_state\[0\]\.mu\['w'\]"):
+    jmp_lite.loss_scaled(jmp_lite.kahan_summation(adam), NOOP).init(params)
+
+
 # ------------------------------------------- pytree, jit, checkpoint, memory
 
 
