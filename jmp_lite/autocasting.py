@@ -58,7 +58,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.policy import Policy
+from jmp_lite.policy import get_policy, Policy
 
 __all__ = ["Audit", "AuditRecord", "FLOAT32", "LOWER_PRECISION", "autocast",
            "autocast_audit", "autocast_fp8_state", "float32_region",
@@ -141,6 +141,11 @@ class _Config:
 
 
 def _check_names(names: Iterable[Any], what: str) -> set[str]:
+  if isinstance(names, str) or hasattr(names, "name"):
+    # One name or primitive, not a list of them (a str would be iterated
+    # letter by letter).
+    raise TypeError(f"{what} takes a list of primitive names or jax"
+                    f" primitives; wrap the one given in a list: [{names!r}]")
   out: set[str] = set()
   known: dict[str, Any] | None = None
   for item in names:
@@ -512,6 +517,8 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                  fp8_scopes: Sequence[str] | None = None,
                  fp8_exclude_scopes: Sequence[str] = ()) -> _Config:
   """Validates :func:`autocast`'s options (shared with the audit)."""
+  if isinstance(policy_or_dtype, str) and "=" in policy_or_dtype:
+    policy_or_dtype = get_policy(policy_or_dtype)  # "p=f32,c=bf16,o=f32"
   if isinstance(policy_or_dtype, Policy):
     compute = policy_or_dtype.compute_dtype
   elif policy_or_dtype is None:
@@ -656,8 +663,9 @@ def autocast(
 
   Args:
     fn: the function to transform.
-    policy_or_dtype: a :class:`~jmp_lite.Policy` (its compute dtype is used)
-      or a dtype/name; ``None`` means :func:`~jmp_lite.half_dtype`.
+    policy_or_dtype: a :class:`~jmp_lite.Policy` or policy string such as
+      ``"p=f32,c=bf16,o=f32"`` (its compute dtype is used), or a
+      dtype/name; ``None`` means :func:`~jmp_lite.half_dtype`.
     allow: primitives (names or ``jax.lax.*_p``) to add to the lower-precision
       list (Paddle's ``custom_white_list``); removed from the float32 list.
     deny: primitives to add to the float32 list (``custom_black_list``);

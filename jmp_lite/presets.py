@@ -19,7 +19,9 @@
      - no autocast
    * - ``O1``
      - float32
-     - half for Dense/Conv/Einsum/attention layers, float32 elsewhere
+     - half for Dense/Conv/Einsum/attention layers; their outputs stay half,
+       so code between layers runs in half after them (per-op float32 for
+       exp/log/softmax: ``jmp_lite.autocast``)
      - loss scaling if float16
      - O1
      - O1

@@ -220,10 +220,21 @@ def test_custom_lists_change_the_result_as_documented():
     (dict(allow=["exp"], deny=["exp"]), ValueError, "both allow and deny"),
     (dict(allow=[3]), TypeError, "primitive names or jax primitives"),
     (dict(exclude_scopes="loss"), TypeError, "sequence of scope names"),
+    (dict(deny="tanh"), TypeError, r"wrap the one given in a list: \['tanh'\]"),
+    (dict(allow=jax.lax.exp_p), TypeError, "deny|allow takes a list"),
 ])
 def test_bad_lists(kwargs, err, match):
   with pytest.raises(err, match=match):
     jmp_lite.autocast(lambda x: x, "bf16", **kwargs)
+
+
+def test_policy_string_gives_its_compute_dtype():
+  f = lambda a: a @ a  # noqa: E731
+  audit = jmp_lite.autocast_audit(f, "p=f32,c=bf16,o=f32", jnp.ones((2, 2)))
+  assert [(r.primitive, str(r.dtype)) for r in audit.records] == [
+      ("dot_general", "bfloat16")]
+  assert jmp_lite.autocast(f, "p=f32,c=bf16,o=f32")(jnp.ones((2, 2))).dtype \
+      == jnp.float32
 
 
 def test_bad_dtype_and_callable():
