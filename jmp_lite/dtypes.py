@@ -313,6 +313,14 @@ def is_inexact_array(x: Any) -> bool:
   return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def fp8_update(delta: jax.Array, dtype: Any) -> jax.Array:
+  """``delta`` as an update of an FP8 param of ``dtype``: clipped to the
+  format's finite range before the cast (``float8_e4m3fn`` has no infinity:
+  a difference over 448 would cast to NaN)."""
+  top = float(jnp.finfo(dtype).max)
+  return jnp.clip(delta, -top, top).astype(dtype)
+
+
 def at_least_float32(dtype: Any) -> np.dtype:
   """``dtype`` widened to float32 precision: where half and FP8 values compute.
 

@@ -199,15 +199,18 @@ def _delta(new_wide: jax.Array, p_wide: jax.Array, dtype: Any,
   ``new``. ``-0.0`` where nothing moves (or ``also`` is false): ``p + -0.0``
   is ``p`` bit for bit. FP8 params get FP8 updates, since JAX will not add
   a float32 update to an FP8 param; such a difference is exact while ``new``
-  is within a factor of two of ``p`` (Sterbenz), and a bigger leap lands
-  within one rounding.
+  is within a factor of two of ``p`` (Sterbenz); a bigger leap is rounded
+  to FP8 and clipped to its finite range, so it moves toward ``new`` and
+  may stop short, and Kahan's compensation does not carry that error.
   """
   moved = new_wide != p_wide
   if also is not None:
     moved = moved & also
   delta = jnp.where(moved, new_wide - p_wide,
                     jnp.asarray(-0.0, new_wide.dtype))
-  return delta.astype(dtype) if np.dtype(dtype).itemsize == 1 else delta
+  if np.dtype(dtype).itemsize == 1:
+    return _dtypes.fp8_update(delta, dtype)
+  return delta
 
 
 # ------------------------------------------------------- random bits (hash)

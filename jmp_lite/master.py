@@ -91,7 +91,10 @@ def _param_update(new_master: Any, old_master: Any, update: Any,
   current = jnp.asarray(param).astype(wide)
   moved = (new_master != old_master) & (target != current)
   delta = jnp.where(moved, target - current, jnp.asarray(-0.0, wide))
-  return delta.astype(param.dtype if update_dtype is None else update_dtype)
+  out = param.dtype if update_dtype is None else update_dtype
+  if np.dtype(out).itemsize == 1:
+    return _dtypes.fp8_update(delta, out)
+  return delta.astype(out)
 
 
 def master_weights(

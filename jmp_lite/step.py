@@ -15,6 +15,7 @@ loss-scaled one by changing two lines.
 
 from __future__ import annotations
 
+import collections
 import functools
 import numbers
 from collections.abc import Callable, Mapping
@@ -73,8 +74,12 @@ def _chain_order(node: Any) -> list[Any] | None:
   """The elements of an ``optax.chain``/``named_chain`` state, in order."""
   if type(node) in (tuple, list):
     return list(node)
-  if isinstance(node, dict):  # named_chain's OrderedDict: in chain order.
+  if isinstance(node, collections.OrderedDict):  # named_chain's: in order.
     return list(node.values())
+  if isinstance(node, dict):
+    # A plain dict's order is not the chain's (JAX sorts its keys when it
+    # rebuilds one): only a lone element is known to come first.
+    return list(node.values()) if len(node) <= 1 else [None, *node.values()]
   return None
 
 
@@ -141,6 +146,10 @@ def _plan(opt_state: Any, grads_wider_than_float32: bool = False
 
 def formulation(opt_state: Any) -> tuple[str, str]:
   """Says how :func:`update_and_apply` will compile a step with ``opt_state``.
+
+  The state's structure decides, with float32 (or narrower) gradients
+  assumed: float64 gradients into a float32 :func:`master_weights` make
+  :func:`update_and_apply` take ``"update"`` where this says ``"cond"``.
 
   Args:
     opt_state: the optimizer state (its tree structure decides).

@@ -197,6 +197,24 @@ def test_fp8_params_keep_their_dtype_and_track_float32(dtype, wrapper):
 
 
 @pytest.mark.parametrize("wrapper", ["master", "kahan", "stochastic"])
+def test_fp8_leaps_beyond_the_format_stay_finite(wrapper):
+  """A difference over float8_e4m3fn's 448 cast to NaN (no infinity): the
+  FP8 update is clipped to the finite range, and the param lands finite."""
+  dtype = jnp.float8_e4m3fn
+  params = jnp.asarray([-240.0, 448.0, 1.0, 0.0], dtype)
+  grads = jnp.asarray([-480.0, 896.0, 0.0, 0.0])
+  opt = {"master": jmp_lite.master_weights,
+         "kahan": jmp_lite.kahan_summation,
+         "stochastic": jmp_lite.stochastic_rounding}[wrapper](optax.sgd(1.0))
+  updates, _ = opt.update(grads, opt.init(params), params)
+  new = np.asarray(optax.apply_updates(params, updates), np.float32)
+  assert np.isfinite(new).all(), new
+  np.testing.assert_array_equal(new[2:], [1.0, 0.0])
+  # Toward -> 240 and -> -448; clipped to 448, the second stops at 0.
+  np.testing.assert_array_equal(new[:2], [208.0, 0.0])
+
+
+@pytest.mark.parametrize("wrapper", ["master", "kahan", "stochastic"])
 def test_fp8_params_skip_bit_identically(wrapper):
   dtype = jnp.float8_e4m3fn
   opt = {"master": jmp_lite.master_weights,
