@@ -18,7 +18,7 @@ import numpy as np
 __all__ = ["at_least_float32", "canonical_name", "cast_floating",
            "float8_values", "half_dtype", "is_floating_array",
            "is_inexact_array", "is_live_state", "is_opaque", "parse_dtype",
-           "round_to", "to_floating_dtype"]
+           "round_to", "to_floating_dtype", "update_between"]
 
 # Canonical short name first: it is what ``str(Policy)`` prints.
 _ALIASES: dict[np.dtype, tuple[str, ...]] = {
@@ -313,12 +313,42 @@ def is_inexact_array(x: Any) -> bool:
   return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def fp8_update(delta: jax.Array, dtype: Any) -> jax.Array:
-  """``delta`` as an update of an FP8 param of ``dtype``: clipped to the
-  format's finite range before the cast (``float8_e4m3fn`` has no infinity:
-  a difference over 448 would cast to NaN)."""
-  top = float(jnp.finfo(dtype).max)
-  return jnp.clip(delta, -top, top).astype(dtype)
+def update_between(new: jax.Array, current: jax.Array, dtype: Any,
+                   moved: jax.Array | None = None) -> jax.Array:
+  """The update that takes ``current`` to ``new`` under ``apply_updates``.
+
+  Shared by the transformations that round a param themselves (Kahan,
+  stochastic rounding, master weights). ``new`` and ``current`` are values
+  of the param's dtype held in a wider float, so their difference is exact
+  unless they are 2**16 (bfloat16) / 2**13 (float16) binades apart, and
+  ``p + update`` lands exactly on ``new``. ``-0.0`` where nothing moves (or
+  ``moved`` is false): ``p + -0.0`` is ``p`` bit for bit. In an FP8 ``dtype``
+  (JAX adds no float32 update to an FP8 param) the difference is exact
+  while ``new`` is within a factor of two of ``current`` (Sterbenz); a
+  bigger leap is rounded, and clipped to the format's finite range
+  (``float8_e4m3fn`` has no infinity), so it may stop short.
+
+  Args:
+    new: the values to land on.
+    current: the param's values, in ``new``'s dtype.
+    dtype: the dtype of the update.
+    moved: where to move at all (``None``: wherever ``new != current``).
+
+  Returns:
+    The update, in ``dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.dtypes.update_between(
+    ...     jnp.array([1.5, 2.0]), jnp.array([1.0, 2.0]), jnp.float32)
+    Array([ 0.5, -0. ], dtype=float32)
+  """
+  step = new != current if moved is None else moved & (new != current)
+  delta = jnp.where(step, new - current, jnp.asarray(-0.0, new.dtype))
+  if np.dtype(dtype).itemsize == 1:
+    top = float(jnp.finfo(dtype).max)
+    delta = jnp.clip(delta, -top, top)
+  return delta.astype(dtype)
 
 
 def at_least_float32(dtype: Any) -> np.dtype:

@@ -512,14 +512,12 @@ class MixedPrecision(nn.Module):
     key: Any = (_aval_key(dict(variables)), _aval_key((args, kwargs)))
     table: Any = None
     with self.memo.lock:
-      if None in key:
-        pass
-      elif isinstance(method, (str, type(None))):
+      # Anything else (a bound method is a new object at every access, an
+      # unhashable argument) is traced each time.
+      if None not in key and isinstance(method, (str, type(None))):
         table, key = self.memo.classes, (method, *key)
-      elif isinstance(method, types.FunctionType):
+      elif None not in key and isinstance(method, types.FunctionType):
         table = self.memo.by_function.setdefault(method, {})
-      # Anything else (a bound method is a new object at every access) is
-      # traced each time rather than keyed by an id Python may reuse.
       if table is not None and key in table:
         classes, boundaries = table[key]
         return dict(classes), set(boundaries)

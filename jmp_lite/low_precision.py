@@ -189,28 +189,10 @@ def _inner_applied(inner_state: Any) -> jax.Array:
   return applied
 
 
-def _delta(new_wide: jax.Array, p_wide: jax.Array, dtype: Any,
-           also: jax.Array | None = None) -> jax.Array:
-  """The update taking ``p`` (of ``dtype``) to ``new`` under ``apply_updates``.
-
-  Both are values of the param's dtype held in a wider float, so their
-  difference is exact unless they are 2**16 (bfloat16) / 2**13 (float16)
-  binades apart, and ``(p + delta).astype(p.dtype)`` lands exactly on
-  ``new``. ``-0.0`` where nothing moves (or ``also`` is false): ``p + -0.0``
-  is ``p`` bit for bit. FP8 params get FP8 updates, since JAX will not add
-  a float32 update to an FP8 param; such a difference is exact while ``new``
-  is within a factor of two of ``p`` (Sterbenz); a bigger leap is rounded
-  to FP8 and clipped to its finite range, so it moves toward ``new`` and
-  may stop short, and Kahan's compensation does not carry that error.
-  """
-  moved = new_wide != p_wide
-  if also is not None:
-    moved = moved & also
-  delta = jnp.where(moved, new_wide - p_wide,
-                    jnp.asarray(-0.0, new_wide.dtype))
-  if np.dtype(dtype).itemsize == 1:
-    return _dtypes.fp8_update(delta, dtype)
-  return delta
+def _update_dtype(p: Any, wide: np.dtype) -> np.dtype:
+  # Updates of half params are exact in float32; FP8 params need FP8 ones
+  # (JAX adds no float32 update to them).
+  return np.dtype(p.dtype) if np.dtype(p.dtype).itemsize == 1 else wide
 
 
 # ------------------------------------------------------- random bits (hash)
@@ -405,7 +387,8 @@ def kahan_summation(
     # |s - new| <= half an ulp of new: exact in float32, rounded into c.
     moved = u_wide != 0
     new_c = jnp.where(moved, (s - new_wide).astype(c.dtype), c)
-    return _delta(new_wide, p_wide, p.dtype, also=moved), new_c
+    return _dtypes.update_between(new_wide, p_wide, _update_dtype(p, wide),
+                                  moved), new_c
 
   def update(updates: Any, state: KahanState, params: Any = None,
              **extra: Any) -> tuple[Any, KahanState]:
@@ -511,7 +494,7 @@ def stochastic_rounding(
       s = p_wide + u.astype(wide)
       bits = _random_bits(key, i, p.shape, leaf_specs[i])
       new_wide = _round_stochastic(s, p.dtype, bits).astype(wide)
-      return _delta(new_wide, p_wide, p.dtype)
+      return _dtypes.update_between(new_wide, p_wide, _update_dtype(p, wide))
 
     new_updates = treedef.unflatten(
         [leaf(i, p, u)

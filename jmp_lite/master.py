@@ -9,7 +9,7 @@ transformation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,24 +33,23 @@ class MasterWeightsState:
     inner_state: the wrapped optimizer's state, built from ``master``.
   """
 
+  # Gradients reach the inner optimizer cast to the master dtype: finite
+  # exactly when they were while they fit its range (``largest_gradient``),
+  # so jmp_lite.update_and_apply may decide a guard inside it up front.
+  forwards_gradients: ClassVar[bool] = True
+
   master: Any
   inner_state: Any
 
   @property
-  def forwards_gradients(self) -> bool | str:
-    """Whether the gradients reach the inner optimizer finite exactly when
-    they were, so that :func:`jmp_lite.update_and_apply` may decide a guard
-    inside up front: ``True`` for a float64 master, ``"float32"`` for a
-    float32 one (float64 gradients could overflow the cast), ``False`` for
-    a narrower master (float16 turns large finite gradients into inf)."""
-    # Any leaf with a dtype: arrays, tracers and eval_shape's structs alike.
-    widths = [np.dtype(x.dtype).itemsize for x in jax.tree.leaves(self.master)
-              if hasattr(x, "dtype")
-              and not jnp.issubdtype(x.dtype, jax.dtypes.extended)
-              and jnp.issubdtype(x.dtype, jnp.floating)]
-    if all(w >= 8 for w in widths):
-      return True
-    return "float32" if all(w >= 4 for w in widths) else False
+  def largest_gradient(self) -> float:
+    """The largest gradient magnitude the cast to the master keeps finite
+    (float16's 65504 for a float16 master; inf without float leaves)."""
+    return min((float(jnp.finfo(x.dtype).max)
+                for x in jax.tree.leaves(self.master)
+                if hasattr(x, "dtype")
+                and not jnp.issubdtype(x.dtype, jax.dtypes.extended)
+                and jnp.issubdtype(x.dtype, jnp.floating)), default=np.inf)
 
 
 def _apply(master: Any, update: Any) -> Any:
@@ -89,12 +88,9 @@ def _param_update(new_master: Any, old_master: Any, update: Any,
       jnp.promote_types(_dtypes.at_least_float32(new_master.dtype), wide))
   target = _dtypes.round_to(master, param.dtype).astype(wide)
   current = jnp.asarray(param).astype(wide)
-  moved = (new_master != old_master) & (target != current)
-  delta = jnp.where(moved, target - current, jnp.asarray(-0.0, wide))
-  out = param.dtype if update_dtype is None else update_dtype
-  if np.dtype(out).itemsize == 1:
-    return _dtypes.fp8_update(delta, out)
-  return delta.astype(out)
+  return _dtypes.update_between(
+      target, current, param.dtype if update_dtype is None else update_dtype,
+      moved=new_master != old_master)
 
 
 def master_weights(

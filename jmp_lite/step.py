@@ -50,40 +50,39 @@ _FORWARDING_OPTAX = (optax.InjectHyperparamsState,
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 
-def _forwards(node: Any, grads_wider_than_float32: bool) -> bool:
+def _forwards(node: Any, largest_gradient: float) -> bool:
   """Whether ``node``'s transformation passes the step's gradients inward.
 
   ``inject_hyperparams`` and any state class declaring
-  ``forwards_gradients = True`` (``master_weights`` with a master at least
-  as wide as the gradients) do; accumulation and masking
+  ``forwards_gradients = True`` do, while gradients of ``largest_gradient``
+  fit what the class casts them to (its ``largest_gradient``:
+  ``master_weights``' master dtype); accumulation and masking
   (``accumulate_gradients``, ``MultiSteps``, ``multi_transform``,
   ``masked``) and unknown wrappers are not assumed to. Chains are handled
   by the caller: only their first element sees the gradients as they are.
   """
   if isinstance(node, _FORWARDING_OPTAX):
     return True
-  forwards = getattr(node, "forwards_gradients", False)
-  if forwards == "float32":
-    # Casts the gradients to a float32 master: finite exactly when they
-    # were, unless float64 gradients exceed float32's range.
-    return not grads_wider_than_float32
-  return forwards is True
+  if getattr(type(node), "forwards_gradients", False) is not True:
+    return False
+  return largest_gradient <= getattr(node, "largest_gradient", np.inf)
 
 
-def _chain_order(node: Any) -> list[Any] | None:
-  """The elements of an ``optax.chain``/``named_chain`` state, in order."""
+def _chain(node: Any) -> tuple[list[Any], bool] | None:
+  """An ``optax.chain``/``named_chain`` state's elements, and whether its
+  first element is known (``None`` for any other node)."""
   if type(node) in (tuple, list):
-    return list(node)
+    return list(node), True
   if isinstance(node, collections.OrderedDict):  # named_chain's: in order.
-    return list(node.values())
+    return list(node.values()), True
   if isinstance(node, dict):
     # A plain dict's order is not the chain's (JAX sorts its keys when it
     # rebuilds one): only a lone element is known to come first.
-    return list(node.values()) if len(node) <= 1 else [None, *node.values()]
+    return list(node.values()), len(node) <= 1
   return None
 
 
-def _find_guards(tree: Any, grads_wider_than_float32: bool = False
+def _find_guards(tree: Any, largest_gradient: float
                  ) -> list[tuple[Any, tuple[str, ...]]]:
   """Every guard state in ``tree``, with the wrappers around it that do not
   forward the gradients."""
@@ -94,20 +93,21 @@ def _find_guards(tree: Any, grads_wider_than_float32: bool = False
       found.append((node, outside))
       walk(node.inner_state, outside + (type(node).__name__,))
       return
-    chain = _chain_order(node)
+    chain = _chain(node)
     if chain is not None:
       # A chain hands the gradients to its first element only; the others
       # see what the elements before them made of them (optax.scale,
       # clip or zero_nans can make finite gradients non-finite or back).
-      for i, child in enumerate(chain):
-        walk(child, outside if i == 0 else
+      elements, first_known = chain
+      for i, child in enumerate(elements):
+        walk(child, outside if i == 0 and first_known else
              outside + (f"optax.chain (element {i})",))
       return
     children, treedef = jax.tree_util.tree_flatten(
         node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1:  # A leaf, or a node without children.
       return
-    inner = (outside if _forwards(node, grads_wider_than_float32)
+    inner = (outside if _forwards(node, largest_gradient)
              else outside + (type(node).__name__,))
     for child in children:
       walk(child, inner)
@@ -116,14 +116,18 @@ def _find_guards(tree: Any, grads_wider_than_float32: bool = False
   return found
 
 
-def _wider_than_float32(grads: Any) -> bool:
-  return any(_dtypes.is_floating_array(g) and np.dtype(g.dtype).itemsize > 4
-             for g in jax.tree.leaves(grads))
+_FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
-def _plan(opt_state: Any, grads_wider_than_float32: bool = False
+def _largest_gradient(grads: Any) -> float:
+  """The largest finite magnitude ``grads``' dtypes can hold."""
+  return max((float(jnp.finfo(g.dtype).max) for g in jax.tree.leaves(grads)
+              if _dtypes.is_floating_array(g)), default=0.0)
+
+
+def _plan(opt_state: Any, largest_gradient: float = _FLOAT32_MAX
           ) -> tuple[str, str, Any]:
-  found = _find_guards(opt_state, grads_wider_than_float32)
+  found = _find_guards(opt_state, largest_gradient)
   if not found:
     return "update", ("no loss_scaled or skip_nonfinite state: a plain"
                       " optimizer step"), None
@@ -147,8 +151,8 @@ def _plan(opt_state: Any, grads_wider_than_float32: bool = False
 def formulation(opt_state: Any) -> tuple[str, str]:
   """Says how :func:`update_and_apply` will compile a step with ``opt_state``.
 
-  The state's structure decides, with float32 (or narrower) gradients
-  assumed: float64 gradients into a float32 :func:`master_weights` make
+  The state's structure decides, with float32 gradients assumed: float64
+  gradients into a float32 :func:`master_weights` make
   :func:`update_and_apply` take ``"update"`` where this says ``"cond"``.
 
   Args:
@@ -223,8 +227,9 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
   * **One** ``lax.cond`` **for the whole step** when the guard is the
     optimizer itself or sits inside wrappers that hand it the gradients as
     they are (first in an ``optax.chain``, ``inject_hyperparams``,
-    :func:`~jmp_lite.master_weights` with a float32 master, or a state class
-    declaring ``forwards_gradients = True``) and its own formulation is
+    :func:`~jmp_lite.master_weights` whose master dtype holds the
+    gradients' range, or a state class declaring ``forwards_gradients =
+    True``) and its own formulation is
     ``"cond"``
     (``skip_with="auto"`` on the CPU; not with ``check_updates`` or a scale
     that may drop below 1). The finiteness of ``grads`` is read once (and
@@ -283,7 +288,7 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
         "update_and_apply needs the params to apply the updates to: call"
         " update_and_apply(optimizer, grads, opt_state, params)")
   grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
-  kind, _, guard = _plan(opt_state, _wider_than_float32(grads))
+  kind, _, guard = _plan(opt_state, _largest_gradient(grads))
   if kind == "update":
     updates, new_state = optimizer.update(grads, opt_state, params, **extra)
     return apply_updates(params, updates), new_state
