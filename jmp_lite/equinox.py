@@ -10,7 +10,15 @@ a copy made for that call, in which
 * every submodule is a *boundary*: calling it (or any of its methods) casts
   its floating inputs to its compute dtype and its outputs to its output
   dtype (the rules of :mod:`jmp_lite.rules`; a carry keeps its dtype);
-  attribute reads go through to the submodule;
+  attribute reads go through to the submodule, and ``isinstance`` sees the
+  submodule's own class (``eqx.nn.Sequential`` finds its stateful layers,
+  a model's ``isinstance(layer, eqx.nn.Dropout)`` takes the same branch);
+* a recurrent cell's hidden state keeps the dtype it came in with, as a
+  ``lax.scan`` carry must: Equinox's ``GRUCell``/``LSTMCell``, and any
+  module called as ``cell(x, ..., hidden)`` whose output is shaped like its
+  last argument (and not like its first: ``attention(x, x, x)`` is no
+  cell); a cell of your own whose input and hidden share a shape needs a
+  rule with ``o=`` the carry's dtype;
 * ``eqx.nn.State`` arguments (batch statistics) pass through uncast.
 
 Rules select modules by class (``(eqx.nn.LayerNorm, "f32")``) or by path
@@ -31,7 +39,6 @@ from typing import Any, cast
 
 import equinox as eqx
 import jax
-import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
@@ -123,6 +130,7 @@ class _CallState:
   """Mutable state of one call (never shared between calls)."""
 
   recorder: _report.Recorder | None
+  prefix: Path = ()  # Where a nested MixedPrecision sits, for the report.
   root_depth: int = 0
 
 
@@ -136,10 +144,26 @@ class _Slot:
   state: _CallState
 
 
+# Equinox's cells take ``(input, hidden)`` and return the new hidden state.
+_CELLS: tuple[type, ...] = (eqx.nn.GRUCell, eqx.nn.LSTMCell)
+
+
+def _hidden(cls: type, out: Any, args: tuple, kwargs: dict) -> Any:
+  """The argument whose dtypes ``out`` keeps, for a cell; else ``None``."""
+  if issubclass(cls, _CELLS):
+    hidden = args[1] if len(args) > 1 else kwargs.get("hidden")
+  elif len(args) > 1 and not _rules.same_shapes(out, args[0]):
+    hidden = args[-1]
+  else:
+    return None
+  return hidden if _rules.same_shapes(out, hidden) else None
+
+
 def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
                    kwargs: dict, own: Any) -> Any:
   policy = slot.resolved.policy
   recorder = slot.state.recorder
+  path = slot.state.prefix + slot.path
   cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
                                               policy.compute_dtype)
   output = slot.resolved.output
@@ -150,22 +174,46 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
     if recorder is None:
       out = fn(*cast_args, **cast_kwargs)
     else:
-      with recorder.scope(slot.path, slot.cls, policy):
+      with recorder.scope(path, slot.cls, policy):
         out = fn(*cast_args, **cast_kwargs)
   finally:
     if not slot.path:
       slot.state.root_depth -= 1
-  out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
+  hidden = _hidden(slot.cls, out, args, kwargs) if slot.path else None
+  if hidden is not None:
+    out = _rules.keep_dtypes(out, hidden)
+  else:
+    out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
   if recorder is not None:
-    recorder.call(slot.path, slot.cls, policy, (cast_args, cast_kwargs), out,
-                  own)
+    recorder.call(path, slot.cls, policy, (cast_args, cast_kwargs), out, own)
   return out
 
 
-class _Boundary(eqx.Module):
-  """A submodule of the per-call copy: casts at its calls, reads through."""
+class _ReadThrough(eqx.Module):
+  """Stands in for a module during a call; ``isinstance`` sees its class.
+
+  Model code dispatches on layer types (``eqx.nn.Sequential`` checks
+  ``isinstance(layer, StatefulLayer)``), so the stand-in reports the
+  module's class as its ``__class__``, as object proxies do; ``type()``
+  still names the stand-in.
+  """
 
   inner: eqx.Module
+
+  @property
+  def __class__(self) -> type:  # pyright: ignore[reportIncompatibleMethodOverride]
+    return type(self.inner)
+
+  def __getattr__(self, name: str) -> Any:
+    inner = self.__dict__.get("inner")
+    if inner is None or name.startswith("__"):
+      raise AttributeError(name)
+    return getattr(inner, name)
+
+
+class _Boundary(_ReadThrough):
+  """A submodule of the per-call copy: casts at its calls, reads through."""
+
   slot: _Slot = eqx.field(static=True)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,6 +234,25 @@ class _Boundary(eqx.Module):
       return lambda *a, **k: _boundary_call(slot, attr, a, k,
                                             _own_arrays(inner))
     return attr
+
+
+class _NestedRun(_ReadThrough):
+  """A nested :class:`MixedPrecision` during a reported call.
+
+  It runs under its own policy and records its modules under its path.
+  """
+
+  state: _CallState = eqx.field(static=True)
+  path: Path = eqx.field(static=True)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return cast(MixedPrecision, self.inner)._run(
+        None, args, kwargs, self.state.recorder, self.path)
+
+  def method(self, name: str) -> Callable[..., Any]:
+    cast(MixedPrecision, self.inner).method(name)  # Checks the name.
+    return lambda *a, **k: cast(MixedPrecision, self.inner)._run(
+        name, a, k, self.state.recorder, self.path)
 
 
 def _own_arrays(node: eqx.Module) -> dict[str, Any]:
@@ -231,14 +298,17 @@ class MixedPrecision(eqx.Module):
     return lambda *a, **k: self._run(name, a, k)
 
   def _run(self, method: str | None, args: tuple, kwargs: dict,
-           recorder: _report.Recorder | None = None) -> Any:
+           recorder: _report.Recorder | None = None,
+           prefix: Path = ()) -> Any:
     modules = _modules(self.module)
     resolved = self.rule_set.resolve({p: type(m) for p, m in modules.items()})
-    state = _CallState(recorder)
+    state = _CallState(recorder, prefix)
 
     def convert(path: Path, node: eqx.Module) -> Any:
       if isinstance(node, MixedPrecision):
-        return node  # A nested policy casts its own model.
+        # A nested policy casts its own model (and reports under its path).
+        return node if recorder is None else _NestedRun(
+            node, state, prefix + path)
       res = resolved[path]
       body = _rebuild(node, path,
                       lambda _, x: _cast_leaf(res.policy.compute_dtype)(x),
@@ -358,8 +428,18 @@ def dtype_report(model: MixedPrecision, *args: Any, method: str | None = None,
     return m._run(method, a, k, recorder)
 
   jaxpr = jax.make_jaxpr(f)(dynamic)
-  stored = {p: _own_arrays(m) for p, m in _modules(model.module).items()}
-  return recorder.report(jaxpr, {p: v for p, v in stored.items() if v},
-                         tree_bytes(
-                             [x for x in jax.tree.leaves(model.module)
-                              if isinstance(x, (jax.Array, np.ndarray))]))
+  stored: dict[Path, Any] = {}
+
+  def collect(m: MixedPrecision, prefix: Path) -> None:
+    for path, node in _modules(m.module).items():
+      if isinstance(node, MixedPrecision) and path:
+        collect(node, prefix + path)
+      elif own := _own_arrays(node):
+        stored[prefix + path] = own
+
+  collect(model, ())
+  # Floating arrays only, as in each row: a PRNG key or an integer table
+  # held by a module is no param.
+  return recorder.report(jaxpr, stored, tree_bytes(
+      [x for x in jax.tree.leaves(model.module)
+       if _dtypes.is_floating_array(x)]))

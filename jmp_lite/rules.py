@@ -17,8 +17,9 @@ What a module's resolution means at its boundary (the same in every adapter):
   dtype — except a *carry*: when a module inside the model is called as
   ``f(carry, ...)`` and returns ``(new_carry, ...)`` with ``new_carry``
   shaped like ``carry``, the new carry keeps the dtypes ``carry`` came in
-  with, as ``lax.scan`` requires of ``nn.scan``/``nn.RNN`` bodies. (The
-  root's outputs always take the policy's output dtype.)
+  with, as ``lax.scan`` requires of ``nn.scan``/``nn.RNN`` bodies (the
+  Equinox adapter also knows its cells' ``cell(x, hidden) -> hidden``). The
+  root's outputs always take the policy's output dtype.
 """
 
 from __future__ import annotations
@@ -416,7 +417,9 @@ def cast_outputs(out: Any, dtype: Any, args: Sequence[Any],
   If ``args[0]`` is a carry — ``out`` is a tuple whose first element has the
   tree structure and shapes of ``args[0]`` — that first element is cast back
   to the dtypes ``args[0]`` had (as given by the caller, before any cast),
-  and the rest to ``dtype``. Everything else goes to ``dtype``.
+  and the rest to ``dtype``. A call that returns live state (an Equinox
+  stateful layer's ``(y, state)``) has no carry: its ``y`` is an activation.
+  Everything else goes to ``dtype``.
 
   Args:
     out: the outputs.
@@ -438,18 +441,51 @@ def cast_outputs(out: Any, dtype: Any, args: Sequence[Any],
     (dtype('float32'), dtype(bfloat16))
   """
   if (carry and args and isinstance(out, tuple) and out
-      and _same_shapes(out[0], args[0])):
-    carry = jax.tree.map(
-        lambda new, old: new.astype(old.dtype)
-        if _dtypes.is_floating_array(new) and _dtypes.is_floating_array(old)
-        and new.dtype != old.dtype else new,
-        out[0], args[0], is_leaf=_dtypes.is_live_state)
-    return (carry,) + tuple(cast_inputs(out[1:], dtype))
+      and same_shapes(out[0], args[0])
+      and not any(_dtypes.is_live_state(x) for x in jax.tree.leaves(
+          out[1:], is_leaf=_dtypes.is_live_state))):
+    return (keep_dtypes(out[0], args[0]),) + tuple(cast_inputs(out[1:], dtype))
   return cast_inputs(out, dtype)
 
 
-def _same_shapes(a: Any, b: Any) -> bool:
-  """Whether ``a`` and ``b`` are one tree of arrays with equal shapes."""
+def keep_dtypes(new: Any, old: Any) -> Any:
+  """``new`` with each floating leaf cast to the dtype of ``old``'s leaf.
+
+  Args:
+    new: a carry as a module returned it.
+    old: the carry as the caller passed it (same tree and shapes).
+
+  Returns:
+    ``new`` in ``old``'s dtypes (non-floating leaves as they are).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.rules
+    >>> half = jnp.ones(2, jnp.bfloat16)
+    >>> jmp_lite.rules.keep_dtypes(half, jnp.zeros(2)).dtype
+    dtype('float32')
+  """
+  return jax.tree.map(
+      lambda n, o: n.astype(o.dtype)
+      if _dtypes.is_floating_array(n) and _dtypes.is_floating_array(o)
+      and n.dtype != o.dtype else n,
+      new, old, is_leaf=_dtypes.is_live_state)
+
+
+def same_shapes(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are one tree of floating arrays, equal shapes.
+
+  Args:
+    a: a tree.
+    b: another tree.
+
+  Returns:
+    Whether the trees match (and hold at least one array).
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite.rules
+    >>> jmp_lite.rules.same_shapes((jnp.ones(2),), (jnp.zeros(2),))
+    True
+  """
   la, ta = jax.tree.flatten(a, is_leaf=_dtypes.is_live_state)
   lb, tb = jax.tree.flatten(b, is_leaf=_dtypes.is_live_state)
   if ta != tb or not la:

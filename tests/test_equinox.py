@@ -151,3 +151,183 @@ def test_enabled_strict_and_bad_inputs():
   rewrapped = jeqx.mixed_precision(
       jeqx.mixed_precision(Encoder(jax.random.key(0)), "bf16"), "f16")
   assert _dots(rewrapped, jnp.ones(4)) == {(np.dtype(jnp.float16),) * 2}
+
+
+def test_layer_types_dispatch_as_unwrapped_sequential_with_batch_norm():
+  """Model code that dispatches on layer classes takes the same branch."""
+  key = jax.random.key(0)
+  k1, k2 = jax.random.split(key)
+  seq, state = eqx.nn.make_with_state(eqx.nn.Sequential)([
+      eqx.nn.Linear(4, 8, key=k1),
+      eqx.nn.BatchNorm(8, axis_name="batch", mode="batch"),
+      eqx.nn.Lambda(jax.nn.relu),
+      eqx.nn.Linear(8, 2, key=k2)])
+  model = jeqx.mixed_precision(seq, "p=f32,c=bf16,o=f32")
+  x = jax.random.normal(jax.random.key(1), (6, 4))
+  run = lambda m, s: jax.vmap(m, axis_name="batch", in_axes=(0, None),
+                              out_axes=(0, None))(x, s)
+  out, new_state = run(model, state)
+  reference, ref_state = run(seq, state)
+  assert_dtype(out, jnp.float32)
+  chex.assert_trees_all_close(out, reference, atol=0.05, rtol=0.05)
+  # Batch statistics: float32, and equal to the float32 model's up to the
+  # bf16 rounding of the first layer's output.
+  chex.assert_trees_all_equal_dtypes(new_state, ref_state)
+  chex.assert_trees_all_close(new_state, ref_state, atol=0.02, rtol=0.02)
+  assert _dots(lambda s: run(model, s), state) == {(BF16, BF16)}
+
+  class Net(eqx.Module):
+    layers: list
+
+    def __call__(self, x, *, key):
+      for layer in self.layers:
+        if isinstance(layer, eqx.nn.Dropout):
+          key, sub = jax.random.split(key)
+          x = layer(x, key=sub)
+        else:
+          x = layer(x)
+      return x
+
+  net = Net([eqx.nn.Linear(4, 8, key=k1), eqx.nn.Dropout(0.5), jax.nn.relu,
+             eqx.nn.Linear(8, 2, key=k2)])
+  wrapped = jeqx.mixed_precision(net, "p=f32,c=bf16,o=f32")
+  drop_key = jax.random.key(2)
+  chex.assert_trees_all_close(wrapped(x[0], key=drop_key),
+                              net(x[0], key=drop_key), atol=0.05, rtol=0.05)
+
+
+class _RNN(eqx.Module):
+  """Scans a cell over a sequence, as Equinox's RNN examples do."""
+
+  cell: eqx.Module
+  hidden: int
+
+  def __call__(self, xs):
+    h0 = jnp.zeros(self.hidden)
+    if isinstance(self.cell, eqx.nn.LSTMCell):
+      h0 = (h0, h0)
+
+    def step(h, x):
+      h = self.cell(x, h)
+      return h, (h[0] if isinstance(h, tuple) else h)
+
+    return jax.lax.scan(step, h0, xs)
+
+
+class _MyCell(eqx.Module):
+  """A user's cell in Equinox's convention: cell(input, hidden) -> hidden."""
+
+  proj: eqx.nn.Linear
+
+  def __call__(self, x, h):
+    return jnp.tanh(self.proj(x)) * 0.5 + h * 0.5
+
+
+@pytest.mark.parametrize("cell,in_size", [
+    ("GRUCell", 8), ("GRUCell", 16), ("LSTMCell", 8), ("LSTMCell", 16),
+    ("mine", 8)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_recurrent_cells_keep_their_hidden_dtype_in_a_scan(cell, in_size,
+                                                            jit):
+  key = jax.random.key(0)
+  if cell == "mine":
+    module = _MyCell(eqx.nn.Linear(in_size, 16, key=key))
+  else:
+    module = getattr(eqx.nn, cell)(in_size, 16, key=key)
+  rnn = _RNN(module, 16)
+  model = jeqx.mixed_precision(rnn, "p=f32,c=bf16,o=f32")
+  xs = jax.random.normal(jax.random.key(1), (5, in_size))
+  run = eqx.filter_jit(lambda m, xs: m(xs)) if jit else (lambda m, xs: m(xs))
+  carry, ys = run(model, xs)
+  chex.assert_trees_all_equal_dtypes(carry, rnn(xs)[0])
+  assert_dtype(ys, jnp.float32)
+  assert _dots(model, xs) == {(BF16, BF16)}
+  chex.assert_trees_all_close(ys, rnn(xs)[1], atol=0.03, rtol=0.03)
+  grads = eqx.filter_grad(lambda m: m(xs)[1].sum())(model)
+  chex.assert_trees_all_equal_dtypes(eqx.filter(grads, eqx.is_array),
+                                     eqx.filter(model, eqx.is_array))
+
+
+def test_a_rules_output_dtype_holds_for_stateful_blocks_and_attention():
+  """Neither ``(x, state) -> (y, state)`` nor ``mha(x, x, x)`` is a carry."""
+  key = jax.random.key(0)
+
+  class Block(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+      self.lin = eqx.nn.Linear(8, 8, key=key)
+      self.bn = eqx.nn.BatchNorm(8, "batch", mode="batch")
+
+    def __call__(self, x, state):
+      return self.bn(self.lin(x), state)
+
+  class Net(eqx.Module):
+    stem: eqx.nn.Linear
+    block: Block
+    seen: list = eqx.field(static=True)
+
+    def __init__(self, key):
+      self.stem = eqx.nn.Linear(8, 8, key=key)
+      self.block = Block(key)
+      self.seen = []
+
+    def __call__(self, x, state):
+      y, state = self.block(self.stem(x), state)
+      self.seen.append(y.dtype)
+      return y, state
+
+  net, state = eqx.nn.make_with_state(Net)(key)
+  model = jeqx.mixed_precision(net, "p=f32,c=bf16,o=bf16",
+                               rules=[("block", "p=f32,c=f32,o=f32")])
+  jax.vmap(model, axis_name="batch", in_axes=(0, None),
+           out_axes=(0, None))(jnp.ones((3, 8)), state)
+  assert net.seen[-1] == np.dtype(jnp.float32)  # Not the stem's bfloat16.
+
+  class Attend(eqx.Module):
+    stem: eqx.nn.Linear
+    attn: eqx.nn.MultiheadAttention
+    seen: list = eqx.field(static=True)
+
+    def __call__(self, x):
+      y = jax.vmap(self.stem)(x)
+      a = self.attn(y, y, y)
+      self.seen.append(a.dtype)
+      return a
+
+  net = Attend(eqx.nn.Linear(8, 8, key=key),
+               eqx.nn.MultiheadAttention(2, 8, key=key), [])
+  model = jeqx.mixed_precision(net, "p=f32,c=bf16,o=bf16",
+                               rules=[("attn", "p=f32,c=bf16,o=f32")])
+  model(jnp.ones((5, 8)))
+  assert net.seen[-1] == np.dtype(jnp.float32)
+
+
+def test_report_rows_of_a_nested_policy_and_param_bytes():
+  key = jax.random.key(0)
+
+  class Outer(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.Module
+    noise_key: jax.Array
+
+    def __call__(self, x):
+      return self.b(self.a(x))
+
+  inner = jeqx.mixed_precision(eqx.nn.Linear(4, 4, key=key), "f32")
+  outer = jeqx.mixed_precision(Outer(eqx.nn.Linear(4, 4, key=key), inner,
+                                     jax.random.key(1)),
+                               "p=f32,c=bf16,o=f32")
+  report = jeqx.dtype_report(outer, jnp.ones(4))
+  rows = {r.path: r for r in report.rows}
+  assert rows[""].computed == "-"
+  assert rows["a"].computed == "bfloat16"
+  assert rows["b"].computed == "float32"
+  assert rows["b"].policy == "p=f32,c=f32,o=f32"
+  assert not report.mismatches()
+  assert rows["b"].param_bytes == rows["a"].param_bytes == 80
+  assert report.total_param_bytes == 160  # Not the PRNG key.
+  # The nested model still runs under its own policy outside reports.
+  assert _dots(outer, jnp.ones(4)) == {(BF16, BF16),
+                                       (np.dtype(jnp.float32),) * 2}
