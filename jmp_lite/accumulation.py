@@ -19,6 +19,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 
 __all__ = ["AccumulateState", "accumulate_gradients"]
@@ -67,7 +68,8 @@ def accumulate_gradients(
 
   Args:
     inner: the optimizer to feed, typically ``loss_scaled(...)``.
-    every_k: micro-batches per optimizer step, >= 1.
+    every_k: micro-batches per optimizer step, an int (numpy integers too)
+      in ``[1, 2**31 - 1]``.
     dtype: accumulator dtype.
 
   Returns:
@@ -75,8 +77,9 @@ def accumulate_gradients(
     :class:`AccumulateState`.
 
   Raises:
-    TypeError: if ``every_k`` is not an int or ``dtype`` not a float dtype.
-    ValueError: if ``every_k`` < 1.
+    TypeError: if ``inner`` is not a gradient transformation, ``every_k`` is
+      not an int or ``dtype`` not a float dtype.
+    ValueError: if ``every_k`` is out of range.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -88,10 +91,16 @@ def accumulate_gradients(
     >>> u1, u2
     (Array([-0.], dtype=float32), Array([-2.], dtype=float32))
   """
-  if isinstance(every_k, bool) or not isinstance(every_k, int):
-    raise TypeError(f"every_k must be an int, got {every_k!r}")
-  if every_k < 1:
-    raise ValueError(f"every_k must be >= 1, got {every_k}")
+  check_transformation(inner, "accumulate_gradients")
+  if isinstance(every_k, (bool, np.bool_)) or not isinstance(
+      every_k, (int, np.integer)):
+    raise TypeError(
+        f"every_k must be an int, got {type(every_k).__name__}: {every_k!r}")
+  if not 1 <= every_k <= np.iinfo(np.int32).max:
+    # The int32 mini_step counts up to every_k - 1.
+    raise ValueError(
+        f"every_k must be >= 1 and at most 2**31 - 1, got {every_k}")
+  every_k = int(every_k)
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
   def to_acc(x: Any) -> Any:

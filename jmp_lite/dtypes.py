@@ -148,8 +148,8 @@ def to_floating_dtype(value: Any, what: str) -> np.dtype:
     The canonical ``np.dtype``.
 
   Raises:
-    TypeError: if ``value`` is not a dtype, or is an integer, bool or complex
-      dtype.
+    TypeError: if ``value`` is ``None``, not a dtype, or an integer, bool or
+      complex dtype.
     ValueError: if ``value`` is a string naming no floating dtype.
 
   Example:
@@ -159,6 +159,10 @@ def to_floating_dtype(value: Any, what: str) -> np.dtype:
   """
   if isinstance(value, str):
     return parse_dtype(value)
+  if value is None:
+    # np.dtype(None) is float64: taken silently, and float32 without x64.
+    raise TypeError(
+        f"{what} must be a floating dtype ({_VALID_DTYPE_NAMES}), got None")
   try:
     dtype = jnp.dtype(value)
   except TypeError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cmath
 import functools
 from typing import Any, TypeVar
 
@@ -19,9 +20,10 @@ T = TypeVar("T")
 def all_finite(tree: Any) -> jax.Array:
   """Returns one scalar bool: whether every inexact leaf of ``tree`` is finite.
 
-  Detects +inf, -inf and NaN in any floating (or complex) leaf of any dtype.
-  Integer, bool and ``float0`` leaves, ``None`` and non-array leaves are
-  ignored; an empty tree is finite.
+  Detects +inf, -inf and NaN in any floating (or complex) leaf of any dtype,
+  and in Python ``float``/``complex`` leaves (checked on the host: they are
+  constants even under ``jax.jit``). Integer, bool and ``float0`` leaves,
+  ``None`` and other non-array leaves are ignored; an empty tree is finite.
 
   Each leaf costs exactly one fused read: ``sum(x - x)`` is ``0`` when every
   element is finite and NaN as soon as one is +-inf or NaN (``inf - inf`` is
@@ -35,6 +37,10 @@ def all_finite(tree: Any) -> jax.Array:
   Returns:
     A ``bool`` scalar ``jax.Array``.
 
+  Raises:
+    TypeError: for a string leaf, which is no number (a tree of names or
+      paths passed by mistake would otherwise count as finite).
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([1, 2])}))
@@ -42,11 +48,19 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jmp_lite.all_finite([jnp.array([1.0, jnp.inf])]))
     False
   """
+  leaves = jax.tree.leaves(tree)
+  for x in leaves:
+    if isinstance(x, (str, bytes)):
+      raise TypeError(
+          "all_finite expects a pytree of arrays or numbers, got a"
+          f" {type(x).__name__} leaf: {x!r}")
+    if isinstance(x, (float, complex)) and not cmath.isfinite(x):
+      return jnp.array(False)
   partials = [
       # x - x is 0 for finite x and NaN for +-inf and NaN (like x * 0, but
       # with no broadcast constant, which XLA:CPU would materialise).
       jnp.sum(x - x).astype(_dtypes.at_least_float32(x.dtype))
-      for x in jax.tree.leaves(tree)
+      for x in leaves
       if _dtypes.is_inexact_array(x)
   ]
   if not partials:

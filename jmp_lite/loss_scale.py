@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
+_I32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _as_scalar(value: Any, dtype: np.dtype, what: str) -> Any:
@@ -46,16 +47,39 @@ def _as_scalar(value: Any, dtype: np.dtype, what: str) -> Any:
 
   JAX arrays (tracers included) stay JAX arrays; Python and numpy values
   become numpy arrays, so constructing a state puts nothing on a device.
+  Bools and complex numbers are refused rather than cast: ``True`` is no
+  scale, and the cast would drop an imaginary part without a word.
   """
   if isinstance(value, jax.Array):
+    # The dtype is known for tracers too: checking it never needs a value.
+    if not jnp.issubdtype(value.dtype, jnp.number) or jnp.issubdtype(
+        value.dtype, jnp.complexfloating):
+      raise TypeError(
+          f"{what} must be a real number, got an array of dtype"
+          f" {value.dtype}: {value!r}")
     if value.dtype != dtype or getattr(value, "weak_type", False):
       # Strong-typed: a weak-typed leaf would retrace once the first adjust()
       # returns a strong-typed one.
       value = jax.lax.convert_element_type(value, dtype)
   elif isinstance(value, (numbers.Number, np.ndarray, np.generic)):
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, np.ndarray) and value.dtype == np.bool_):
       raise TypeError(f"{what} must be a number, got bool {value!r}")
-    value = np.asarray(value, dtype)
+    real = (np.issubdtype(value.dtype, np.integer)
+            or np.issubdtype(value.dtype, np.floating)
+            if isinstance(value, np.ndarray)
+            else isinstance(value, numbers.Real))
+    if not real:
+      raise TypeError(
+          f"{what} must be a real number, got {type(value).__name__}:"
+          f" {value!r}")
+    with np.errstate(over="ignore"):  # Out of range: inf, refused below.
+      try:
+        value = np.asarray(value, dtype)
+      except OverflowError:  # A Python int beyond even float64.
+        raise ValueError(
+            f"{what} is out of range for {dtype.name}, got {value!r}"
+        ) from None
   else:
     raise TypeError(
         f"{what} must be a scalar number or array, got"
@@ -64,6 +88,41 @@ def _as_scalar(value: Any, dtype: np.dtype, what: str) -> Any:
   if value.shape != ():
     raise ValueError(f"{what} must be a scalar, got shape {value.shape}")
   return value
+
+
+def _as_count(value: Any, what: str, bound: str, limit: int) -> Any:
+  """Converts a counter to an int32 scalar in ``[0, limit)``.
+
+  Only integers are counts: ``2.5`` would be truncated, and ``2**40`` would
+  overflow int32 (numpy raises, a JAX cast wraps). Checked before the cast,
+  and, for tracers, by dtype only.
+
+  Args:
+    value: a Python or numpy integer, or an integer array scalar.
+    what: the argument's name, for error messages.
+    bound: how ``limit`` is named in the message (``"period=2000"``).
+    limit: the exclusive upper bound, at most ``2**31 - 1``.
+
+  Returns:
+    An int32 scalar (numpy, or JAX for JAX input).
+  """
+  dtype = getattr(value, "dtype", None)
+  if isinstance(value, (bool, np.bool_)) or not (
+      isinstance(value, numbers.Integral)
+      or (isinstance(value, (jax.Array, np.ndarray, np.generic))
+          and jnp.issubdtype(dtype, jnp.integer))):
+    raise TypeError(
+        f"{what} must be an integer, got {type(value).__name__}"
+        + (f" of dtype {dtype}" if dtype is not None else "")
+        + f": {value!r}")
+  if not isinstance(value, jax.core.Tracer):
+    if np.ndim(value) != 0:
+      raise ValueError(
+          f"{what} must be a scalar, got shape {np.shape(value)}")
+    v = int(value)
+    if not 0 <= v < limit:
+      raise ValueError(f"{what} must be in [0, {bound}), got {v}")
+  return _as_scalar(value, _I32, what)
 
 
 def _concrete(value: Any) -> float | None:
@@ -87,6 +146,11 @@ def _check_static_int(value: Any, what: str, minimum: int) -> int:
     )
   if value < minimum:
     raise ValueError(f"{what} must be >= {minimum}, got {value}")
+  if value > _I32_MAX:
+    # The int32 counters compare against it (and count up to it).
+    raise ValueError(
+        f"{what} must be at most 2**31 - 1 = {_I32_MAX} (it bounds an int32"
+        f" counter), got {value}")
   return int(value)
 
 
@@ -300,8 +364,9 @@ class DynamicLossScale(_MultiplyingScale):
     scale = _as_scalar(self.loss_scale, _F32, "loss_scale")
     lo = _as_scalar(self.min_loss_scale, _F32, "min_loss_scale")
     hi = _as_scalar(self.max_loss_scale, _F32, "max_loss_scale")
-    counter = _as_scalar(self.counter, _I32, "counter")
-    nonfinite = _as_scalar(self.nonfinite_counter, _I32, "nonfinite_counter")
+    counter = _as_count(self.counter, "counter", f"period={period}", period)
+    nonfinite = _as_count(self.nonfinite_counter, "nonfinite_counter",
+                          f"hysteresis={hysteresis}", hysteresis)
     for value, what in ((scale, "loss_scale"), (lo, "min_loss_scale"),
                         (hi, "max_loss_scale")):
       _check_positive_finite(value, what)
@@ -318,15 +383,6 @@ class DynamicLossScale(_MultiplyingScale):
       raise ValueError(
           f"loss_scale ({s}) is above max_loss_scale ({high}); pass a larger"
           " max_loss_scale= to start there"
-      )
-    c = _concrete(counter)
-    if c is not None and not 0 <= c < period:
-      raise ValueError(f"counter must be in [0, period={period}), got {int(c)}")
-    n = _concrete(nonfinite)
-    if n is not None and not 0 <= n < hysteresis:
-      raise ValueError(
-          f"nonfinite_counter must be in [0, hysteresis={hysteresis}), got"
-          f" {int(n)}"
       )
     for name, value in (("period", period), ("hysteresis", hysteresis),
                         ("factor", factor), ("backoff_factor", backoff),

@@ -36,6 +36,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_bool, check_transformation
 from jmp_lite.accumulation import AccumulateState
 from jmp_lite.diagnostics import PrecisionWarning
 from jmp_lite.path_rules import path_string
@@ -77,7 +78,8 @@ class StochasticRoundingState:
 
   Attributes:
     seed: the stream's seed (uint32 scalar).
-    count: applied steps so far (uint32 scalar); with ``seed`` it picks this
+    count: steps so far that applied updates (uint32 scalar; see
+      :func:`stochastic_rounding`); with ``seed`` it picks this
       step's random bits, so a restored checkpoint continues the stream.
     inner_state: the wrapped optimizer's state.
   """
@@ -99,7 +101,8 @@ class StateDtypesState:
       their storage dtypes.
     seed: with ``rounding="stochastic"``, the seed (uint32 scalar); else
       ``None``.
-    count: with ``rounding="stochastic"``, applied steps so far (uint32
+    count: with ``rounding="stochastic"``, steps so far that applied
+      updates, counted as :func:`stochastic_rounding` counts them (uint32
       scalar); else ``None``.
   """
 
@@ -115,14 +118,6 @@ class StateDtypesState:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _check_inner(inner: Any, who: str) -> None:
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError(
-        f"{who} expects an optax.GradientTransformation (with init and"
-        f" update), got {type(inner).__name__}: {inner!r}")
 
 
 def _check_seed(seed: Any) -> int:
@@ -172,20 +167,46 @@ def _unaliased(state: Any, *trees: Any) -> Any:
       if isinstance(x, jax.Array) and id(x) in ids else x, state)
 
 
-def _inner_applied(inner_state: Any) -> jax.Array:
-  """Whether the guards inside ``inner_state`` applied this step.
+# States of the transformations that hand on -0.0 updates when they skip.
+_GATES = (LossScaledState, SkipNonfiniteState, AccumulateState)
 
-  ``loss_scaled``, ``skip_nonfinite`` and ``accumulate_gradients`` hand on
-  ``-0.0`` updates when they skip; their states say so. A counter of ours must
-  not advance on such a step, or a skip would shift the random stream.
+
+def _gate_applied(gate: Any) -> jax.Array:
+  """Whether one gate's own decision this step was to apply."""
+  if isinstance(gate, LossScaledState):
+    return jnp.asarray(gate.last_finite, jnp.bool_)
+  if isinstance(gate, SkipNonfiniteState):
+    return jnp.asarray(gate.last_finite & ~gate.halted, jnp.bool_)
+  return jnp.asarray(gate.mini_step, jnp.int32) == 0  # Emitted this step.
+
+
+def _inner_applied(inner_state: Any) -> jax.Array:
+  """Whether this step's updates moved anything, as the gates inside say.
+
+  ``loss_scaled``, ``skip_nonfinite`` and ``accumulate_gradients`` ("gates")
+  hand on ``-0.0`` updates when they skip; their states say so. A counter of
+  ours must not advance on a step that moved nothing, or a skip would shift
+  the random stream; and it must advance on every step that moved
+  something, or the next step draws the same bits again and rounds the same
+  elements the same way (correlated rounding: a bias). So a step counts as
+  applied when *any* outermost gate applied (one partition of a
+  ``multi_transform`` is enough), and a gate with gates inside it applied
+  when it did and any of those did (inside a gate that skipped, their states
+  are last step's). Without gates every step counts.
+
+  Only the gates are read: updates made outside every gate (a partition
+  without one beside partitions with one, a chain element after the gate)
+  do not advance the counter on a step the gates skipped.
   """
-  applied = jnp.ones((), jnp.bool_)
-  for s in struct.find_nodes(inner_state, LossScaledState):
-    applied = applied & s.last_finite
-  for s in struct.find_nodes(inner_state, SkipNonfiniteState):
-    applied = applied & s.last_finite & ~s.halted
-  for s in struct.find_nodes(inner_state, AccumulateState):
-    applied = applied & (s.mini_step == 0)
+  gates = struct.find_nodes(inner_state, _GATES)
+  if not gates:
+    return jnp.ones((), jnp.bool_)
+  applied = jnp.zeros((), jnp.bool_)
+  for gate in gates:
+    own = _gate_applied(gate)
+    if struct.find_nodes(gate.inner_state, _GATES):
+      own = own & _inner_applied(gate.inner_state)
+    applied = applied | own
   return applied
 
 
@@ -365,7 +386,7 @@ def kahan_summation(
     >>> params["w"]
     Array([0.988281, 0.988281], dtype=bfloat16)
   """
-  _check_inner(inner, "kahan_summation")
+  check_transformation(inner, "kahan_summation")
 
   def init(params: Any) -> KahanState:
     compensation = jax.tree.map(
@@ -429,10 +450,15 @@ def stochastic_rounding(
   The random bits are a hash of ``seed``, a step counter kept in the state,
   the leaf and the element's index, computed inside the update's fused
   kernel. A run is reproducible, and a restored checkpoint continues the same
-  stream. The counter advances only on applied steps: a step skipped by a
-  :func:`~jmp_lite.loss_scaled`, :func:`~jmp_lite.skip_nonfinite` or
-  :func:`~jmp_lite.accumulate_gradients` inside or outside leaves the state
-  bit-identical. float32/float64 and non-floating leaves pass ``inner``'s
+  stream. The counter advances on every step that applies updates, as the
+  :func:`~jmp_lite.loss_scaled`, :func:`~jmp_lite.skip_nonfinite` and
+  :func:`~jmp_lite.accumulate_gradients` ("guards") inside say: a step that
+  a guard outside skips, or that every guard inside skips, leaves the state
+  bit-identical; a step that one guard applies while another skips (one
+  per ``optax.multi_transform`` partition) advances it, so that the applied
+  partition draws fresh bits. Only guards are read: a partition without a
+  guard, beside partitions with one, does not advance the counter on a step
+  they all skipped. float32/float64 and non-floating leaves pass ``inner``'s
   updates through unchanged. Updates of FP8 params are FP8 (JAX adds no
   float32 update to them); of half-precision params, float32.
 
@@ -468,7 +494,7 @@ def stochastic_rounding(
     >>> params["w"].dtype, round(mean, 3)
     (dtype(bfloat16), 0.99)
   """
-  _check_inner(inner, "stochastic_rounding")
+  check_transformation(inner, "stochastic_rounding")
   seed = _check_seed(seed)
 
   def init(params: Any) -> StochasticRoundingState:
@@ -576,7 +602,8 @@ def state_dtypes(
       mapping.
     strict: raise if a pattern matches no floating state leaf.
     rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the state then
-      holds a seed and a step counter, advanced only on applied steps).
+      holds a seed and a step counter, advanced as
+      :func:`stochastic_rounding`'s is).
     seed: the stochastic rounding seed, an int in ``[0, 2**32)``.
     specs: with stochastic rounding under ``jax.shard_map`` only: the
       ``PartitionSpec`` s of ``inner``'s state (a pytree prefix of it), as for
@@ -600,7 +627,8 @@ def state_dtypes(
     >>> state.inner_state[0].mu["w"].dtype, state.inner_state[0].nu["w"].dtype
     (dtype(bfloat16), dtype('float32'))
   """
-  _check_inner(inner, "state_dtypes")
+  check_transformation(inner, "state_dtypes")
+  strict = check_bool(strict, "strict")
   rules = _parse_dtypes(dtypes)
   chosen = ([d for _, _, d in rules] if isinstance(rules, list) else [rules])
   if np.dtype(jnp.float16) in chosen:

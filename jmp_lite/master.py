@@ -18,6 +18,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_transformation
 from jmp_lite.finite import copy_arrays
 
 __all__ = ["MasterWeightsState", "master_params", "master_weights"]
@@ -134,7 +135,8 @@ def master_weights(
     :class:`MasterWeightsState`. Its ``update`` requires ``params``.
 
   Raises:
-    TypeError: if ``dtype`` is not a floating dtype.
+    TypeError: if ``inner`` is not a gradient transformation, ``dtype`` is
+      not a floating dtype or ``update_dtype`` neither that nor ``None``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -150,6 +152,7 @@ def master_weights(
     >>> params["w"]
     Array([0.988281, 0.988281], dtype=bfloat16)
   """
+  check_transformation(inner, "master_weights")
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
   if update_dtype is not None:
     update_dtype = _dtypes.to_floating_dtype(update_dtype, "update_dtype")

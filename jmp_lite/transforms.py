@@ -42,6 +42,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_bool, check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -123,6 +124,9 @@ def _check_skip_with(skip_with: Any) -> str:
   return skip_with
 
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def _check_axis_name(axis_name: Any) -> Any:
   try:
     hash(axis_name)
@@ -145,6 +149,7 @@ class SkipNonfiniteState:
     last_finite: whether the last step's gradients were finite (bool).
     halted: whether ``max_consecutive_skips`` ran out; sticky (bool).
     config: the static :class:`GuardConfig`.
+    max_consecutive_skips: the halting limit, or ``None`` (static).
   """
 
   inner_state: Any
@@ -153,6 +158,7 @@ class SkipNonfiniteState:
   last_finite: Any
   halted: Any
   config: GuardConfig = struct.field(static=True, default=GuardConfig())
+  max_consecutive_skips: int | None = struct.field(static=True, default=None)
 
 
 @struct.dataclass
@@ -372,15 +378,6 @@ def _decided_update(inner: optax.GradientTransformation, grads: Any,
           inner_state, jnp.zeros((), jnp.bool_))
 
 
-def _check_transformation(inner: Any) -> None:
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
-    raise TypeError(
-        "Expected an optax.GradientTransformation (with init and update), got"
-        f" {type(inner).__name__}: {inner!r}"
-    )
-
-
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     *,
@@ -388,25 +385,41 @@ def skip_nonfinite(
     axis_name: Any = None,
     skip_with: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` so that steps with non-finite gradients change nothing.
+  """Wraps ``inner`` so that steps with non-finite gradients are skipped.
 
-  When any floating leaf of the incoming updates is +-inf or NaN, ``update``
-  returns zero updates (``-0.0``, so that ``optax.apply_updates`` leaves every
-  param bit for bit as it was, ``-0.0`` included) and the inner state **bit for
-  bit unchanged**: Adam's
-  count and moments, schedules, EMAs, everything. The decision needs no host
-  sync; ``skip_with`` picks how it is compiled (see the module docstring).
+  When any floating leaf of the incoming updates (the gradients) is +-inf or
+  NaN, ``update`` returns zero updates (``-0.0``, so that
+  ``optax.apply_updates`` leaves every param bit for bit as it was, ``-0.0``
+  included) and the inner state **bit for bit unchanged**: Adam's count and
+  moments, schedules, EMAs, everything. The decision needs no host sync;
+  ``skip_with`` picks how it is compiled (see the module docstring).
 
-  ``max_consecutive_skips=N`` (opt-in) *halts* training after the N-th
+  Only the gradients are checked. Finite gradients can still make ``inner``
+  compute non-finite values, which then enter its state: in float32, Adam's
+  ``nu`` takes ``g**2``, which overflows to inf for ``|g|`` above about
+  1.8e19, and that element's update, ``mu / sqrt(nu)``, is 0 from then on.
+  :func:`loss_scaled`'s ``check_updates=True`` (skip non-finite *updates*)
+  does not catch that either: the updates stay finite, and no guard checks
+  the new inner state. A clip inside the guard, before the optimizer
+  (``optax.clip``, or ``optax.clip_by_global_norm``, which hands on zeros
+  when the norm itself overflows), bounds what reaches the moments.
+
+  Only what passes through the optimizer is protected: what the train step
+  updates outside it (Flax ``batch_stats``, an average of the params kept by
+  hand) moves on a skipped step too, unless the step keeps the old value
+  where ``state.last_finite & ~state.halted`` is false.
+
+  ``max_consecutive_skips=N`` (opt-in) *halts* training on the N-th
   consecutive skip: ``state.halted`` becomes true and stays true, and from then
-  on every step is skipped, finite or not, so nothing non-finite ever reaches
-  the inner state or the params. Check it from the host where you already sync
-  (logging) with :func:`raise_if_halted`. Without it, skipping goes on for as
-  long as the gradients are non-finite.
+  on every step is skipped, finite or not, so that no non-finite gradient
+  ever reaches the inner optimizer. Check it from the host where you already
+  sync (logging) with :func:`raise_if_halted`. Without it, skipping goes on
+  for as long as the gradients are non-finite.
 
   Args:
     inner: the optimizer to guard.
-    max_consecutive_skips: ``None`` (default, never halt) or an int >= 1.
+    max_consecutive_skips: ``None`` (default, never halt) or an int in
+      ``[1, 2**31 - 1]`` (numpy integers too).
     axis_name: the mapped axis name under ``shard_map``/``pmap``; all devices
       then skip together when any device's shard is non-finite. Not needed
       under ``jax.jit`` with sharded arrays, where the check is global.
@@ -420,7 +433,8 @@ def skip_nonfinite(
   Raises:
     TypeError: if ``inner`` is not a gradient transformation,
       ``max_consecutive_skips`` is not an int or ``axis_name`` not hashable.
-    ValueError: if ``max_consecutive_skips`` < 1 or ``skip_with`` is unknown.
+    ValueError: if ``max_consecutive_skips`` is out of range or
+      ``skip_with`` is unknown.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -432,18 +446,21 @@ def skip_nonfinite(
     >>> updates["w"], int(state.total_skips)
     (Array([-0., -0.], dtype=float32), 1)
   """
-  _check_transformation(inner)
+  check_transformation(inner, "skip_nonfinite")
   if max_consecutive_skips is not None:
-    if (isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)):
+    if (isinstance(max_consecutive_skips, (bool, np.bool_))
+        or not isinstance(max_consecutive_skips, (int, np.integer))):
       raise TypeError(
           "max_consecutive_skips must be None or an int, got"
           f" {type(max_consecutive_skips).__name__}: {max_consecutive_skips!r}"
       )
-    if max_consecutive_skips < 1:
+    if not 1 <= max_consecutive_skips <= _INT32_MAX:
+      # consecutive_skips is an int32 that must be able to reach it.
       raise ValueError(
-          f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}"
+          "max_consecutive_skips must be >= 1 and at most 2**31 - 1 (an int32"
+          f" counter reaches it), got {max_consecutive_skips}"
       )
+    max_consecutive_skips = int(max_consecutive_skips)
   config = GuardConfig(axis_name=_check_axis_name(axis_name),
                        skip_with=_check_skip_with(skip_with))
 
@@ -455,6 +472,7 @@ def skip_nonfinite(
         last_finite=jnp.ones((), jnp.bool_),
         halted=jnp.zeros((), jnp.bool_),
         config=config,
+        max_consecutive_skips=max_consecutive_skips,
     )
 
   def update(updates: Any, state: SkipNonfiniteState | Decided,
@@ -484,6 +502,7 @@ def skip_nonfinite(
         last_finite=jnp.asarray(finite, jnp.bool_),
         halted=halted,
         config=config,
+        max_consecutive_skips=max_consecutive_skips,
     )
     if decision is not None:
       return new_updates, struct.replace(decision, state=new_state)
@@ -574,7 +593,15 @@ def loss_scaled(
     axis_name: the mapped axis name under ``shard_map``/``pmap``; every device
       then skips and backs off together.
     name: a label for :func:`current_loss_scale` when several loss-scaled
-      optimizers live in one state.
+      optimizers live in one state. Each guard unscales the gradients it
+      gets by *its own* scale: they must be gradients of a loss multiplied
+      by exactly that scale. Several dynamic scales over *one* loss (a guard
+      per ``optax.multi_transform`` partition, say) drift apart as soon as
+      one backs off alone, and from then on the other guards unscale by the
+      wrong factor, silently (their updates are off by the ratio of the
+      scales). Give each scale its own loss, scaled by
+      ``current_loss_scale(state, name)``, or put one ``loss_scaled``
+      around the whole ``multi_transform`` for one loss.
     allow_half_state: ``init`` refuses an inner state with float16,
       bfloat16 or FP8 leaves (Adam's moments take the dtype of
       half-precision params, and then small updates vanish) unless this is
@@ -588,7 +615,9 @@ def loss_scaled(
       its gradients were finite: an optimizer running in half precision can
       overflow on its own (Adam's ``eps=1e-8`` is 0 in float16). Costs one
       read of the updates. ``None`` (default) turns it on exactly when
-      ``allow_half_state`` is true.
+      ``allow_half_state`` is true. The new inner state is not checked: a
+      moment that overflowed to inf can still give finite (zero) updates
+      (see :func:`skip_nonfinite`).
     skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
       is compiled (see the module docstring). ``check_updates`` and a scale
       that may drop below 1 always select.
@@ -599,9 +628,9 @@ def loss_scaled(
 
   Raises:
     TypeError: if ``inner`` is not a gradient transformation,
-      ``loss_scale`` is not a loss scale or policy, or ``axis_name`` is not
-      hashable; from ``init``, if the inner state holds half-precision leaves
-      and ``allow_half_state`` is false.
+      ``loss_scale`` is not a loss scale or policy, ``axis_name`` is not
+      hashable, or a flag is not a bool; from ``init``, if the inner state
+      holds half-precision leaves and ``allow_half_state`` is false.
     ValueError: if ``skip_with`` is unknown.
 
   Example:
@@ -616,7 +645,7 @@ def loss_scaled(
     >>> updates
     Array([-0.2, -0.2], dtype=float32)
   """
-  _check_transformation(inner)
+  check_transformation(inner, "loss_scaled")
   if isinstance(loss_scale, (Policy, str)):
     loss_scale = default_loss_scale(loss_scale)
   if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale,
@@ -628,13 +657,16 @@ def loss_scaled(
     )
   if name is not None and not isinstance(name, str):
     raise TypeError(f"name must be a str or None, got {name!r}")
-  initial_scale = loss_scale
-  check_unscaled = _may_amplify(loss_scale)
+  allow_half_state = check_bool(allow_half_state, "allow_half_state")
+  track_nonfinite = check_bool(track_nonfinite, "track_nonfinite")
+  check_updates = check_bool(check_updates, "check_updates", optional=True)
   if check_updates is None:
     check_updates = allow_half_state
+  initial_scale = loss_scale
+  check_unscaled = _may_amplify(loss_scale)
   config = GuardConfig(axis_name=_check_axis_name(axis_name),
                        skip_with=_check_skip_with(skip_with),
-                       check_updates=bool(check_updates),
+                       check_updates=check_updates,
                        may_amplify=check_unscaled)
 
   def tracked(grads: Any) -> Any:
@@ -861,7 +893,8 @@ def raise_if_halted(opt_state: Any) -> None:
     opt_state: any optimizer state.
 
   Raises:
-    NonFiniteHaltError: naming the skip counts, if halted.
+    NonFiniteHaltError: if halted; it names the limit that halted training
+      and how many steps have been skipped since.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -870,8 +903,26 @@ def raise_if_halted(opt_state: Any) -> None:
   """
   for node in struct.find_nodes(opt_state, SkipNonfiniteState):
     if bool(node.halted):
-      raise NonFiniteHaltError(
-          f"Training halted after {int(node.consecutive_skips)} consecutive"
-          f" non-finite steps ({int(node.total_skips)} skipped in all); the"
-          " params and optimizer state are those of the last finite step"
-      )
+      raise NonFiniteHaltError(_halt_message(node))
+
+
+def _halt_message(node: SkipNonfiniteState) -> str:
+  """What :func:`raise_if_halted` says: the facts that are in the state."""
+  limit = node.max_consecutive_skips
+  consecutive = int(node.consecutive_skips)
+  total = int(node.total_skips)
+  applied = ("; the params and optimizer state are those of the last applied"
+             " step")
+  if limit is None or consecutive < limit:
+    # A halted state built by hand, or restored under another limit: when
+    # the halt came is unknown.
+    return (f"Training halted; {consecutive} consecutive steps skipped"
+            f" ({total} in all)" + applied)
+  # A halt comes on the limit-th consecutive non-finite step, and is sticky:
+  # every later step is skipped too, and consecutive_skips counts on.
+  after = consecutive - limit
+  return (
+      f"Training halted by {limit} consecutive steps with non-finite"
+      f" gradients (max_consecutive_skips={limit}); every step since has"
+      f" been skipped, finite or not ({after} so far; {total} skipped in"
+      " all)" + applied)

@@ -62,7 +62,22 @@ def test_ignores_non_floating_leaves_and_empty_trees(variant):
   assert bool(f([]))
   assert bool(f({"i": jnp.array([1, 2]), "b": jnp.array([True])}))
   assert bool(jmp_lite.all_finite(
-      {"f0": np.zeros(3, jax.dtypes.float0), "py": float("inf"), "n": None}))
+      {"f0": np.zeros(3, jax.dtypes.float0), "py": 3, "n": None}))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"),
+                                 complex(0, float("nan"))])
+def test_python_number_leaves_are_checked(bad, variant):
+  # A Python float is a number: an inf there is no finite gradient.
+  assert not bool(jmp_lite.all_finite({"py": bad, "w": jnp.ones(2)}))
+  assert not bool(variant(lambda w: jmp_lite.all_finite([w, bad]))(
+      jnp.ones(2)))
+  assert bool(jmp_lite.all_finite({"py": 1.5, "c": 1j}))
+
+
+def test_string_leaves_are_refused():
+  with pytest.raises(TypeError, match="got a str leaf: 'abc'"):
+    jmp_lite.all_finite({"name": "abc"})
 
 
 def test_numpy_leaves():

@@ -308,6 +308,32 @@ def test_construction_inside_jit_with_traced_scale():
     (dict(counter=5, period=5), ValueError,
      r"counter must be in \[0, period=5\)"),
     (dict(nonfinite_counter=1), ValueError, r"nonfinite_counter must be in"),
+    # Counters are int32 counts: no truncation, no overflow.
+    (dict(counter=2.5, period=3), TypeError,
+     r"counter must be an integer, got float: 2.5"),
+    (dict(counter=np.float32(1.0)), TypeError, r"counter must be an integer"),
+    (dict(counter=jnp.float32(1.0)), TypeError,
+     r"counter must be an integer, got .* of dtype float32"),
+    (dict(counter=True), TypeError, r"counter must be an integer"),
+    (dict(counter=2**40), ValueError,
+     r"counter must be in \[0, period=2000\), got 1099511627776"),
+    (dict(nonfinite_counter=0.5, hysteresis=2), TypeError,
+     r"nonfinite_counter must be an integer"),
+    (dict(period=2**40), ValueError,
+     r"period must be at most 2\*\*31 - 1 = 2147483647 .* got 1099511627776"),
+    (dict(hysteresis=2**31), ValueError, r"hysteresis must be at most"),
+    (dict(loss_scale=1 + 2j), TypeError,
+     r"loss_scale must be a real number, got complex: \(1\+2j\)"),
+    (dict(loss_scale=np.complex64(4)), TypeError,
+     r"loss_scale must be a real number"),
+    (dict(min_loss_scale=np.array(1 + 0j)), TypeError,
+     r"min_loss_scale must be a real number"),
+    (dict(loss_scale=jnp.array(4 + 0j)), TypeError,
+     r"loss_scale must be a real number, got an array of dtype complex64"),
+    (dict(loss_scale=jnp.array(True)), TypeError,
+     r"loss_scale must be a real number, got an array of dtype bool"),
+    (dict(loss_scale=10**400), ValueError,
+     r"loss_scale is out of range for float32"),
 ])
 def test_dynamic_bad_configuration(kwargs, err, match):
   kwargs = {"loss_scale": 2.0**10, **kwargs}
@@ -322,6 +348,30 @@ def test_dynamic_bad_configuration(kwargs, err, match):
 def test_static_bad_configuration(value, err):
   with pytest.raises(err, match="loss_scale"):
     jmp_lite.StaticLossScale(value)
+
+
+def test_static_rejects_complex_naming_the_value():
+  with pytest.raises(TypeError, match=r"loss_scale must be a real number, got"
+                     r" complex: \(1\+2j\)"):
+    jmp_lite.StaticLossScale(1 + 2j)
+
+
+def test_counters_take_integers_of_any_kind_and_tracers():
+  for counter in (3, np.int64(3), np.uint8(3), np.array(3), jnp.array(3),
+                  jnp.array(3, jnp.int16)):
+    state = jmp_lite.DynamicLossScale(2.0, counter=counter, period=5)
+    assert int(state.counter) == 3
+    assert_dtype(state.counter, jnp.int32)
+
+  @jax.jit
+  def build(counter):
+    # A tracer's value is unknown: its dtype is checked, its range is not.
+    return jmp_lite.DynamicLossScale(2.0, counter=counter, period=5).adjust(T)
+
+  assert int(build(jnp.int32(3)).counter) == 4
+  with pytest.raises(TypeError, match="counter must be an integer"):
+    jax.jit(lambda c: jmp_lite.DynamicLossScale(2.0, counter=c))(
+        jnp.float32(3.0))
 
 
 @pytest.mark.parametrize("state", _all_states(),

@@ -263,6 +263,17 @@ def test_bad_arguments_raise_clear_errors():
     jmp_lite.state_dtypes(optax.adam(0.1), {1: "bf16"})
   with pytest.raises(ValueError, match="mapping is empty"):
     jmp_lite.state_dtypes(optax.adam(0.1), {})
+  # np.dtype(None) is float64: None must not pass for a dtype.
+  with pytest.raises(TypeError, match="dtypes must be a floating dtype.*got"
+                     " None"):
+    jmp_lite.state_dtypes(optax.adam(0.1), None)
+  with pytest.raises(TypeError, match=r"dtypes\['mu'\] must be a floating"):
+    jmp_lite.state_dtypes(optax.adam(0.1), {"mu": None})
+  with pytest.raises(TypeError, match="strict must be a bool.*'no'"):
+    jmp_lite.state_dtypes(optax.adam(0.1), "bf16", strict="no")
+  with pytest.raises(TypeError, match="state_dtypes expects an"
+                     r" optax.GradientTransformation .* got str: 'adam'"):
+    jmp_lite.state_dtypes("adam", "bf16")
 
 
 # ------------------------------------------------------- stochastic rounding
@@ -606,6 +617,83 @@ def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
   assert int(jmp_lite.struct.find_nodes(
       skipped[1], (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState)
   )[0].total_skips) == 1
+
+
+def _two_partitions(make_inner):
+  """``make_inner`` around a multi_transform with a guard per partition."""
+  guard = lambda: jmp_lite.skip_nonfinite(optax.sgd(1.0))
+  return make_inner(optax.multi_transform({"a": guard(), "b": guard()},
+                                          {"a": "a", "b": "b"}))
+
+
+def _counter(state):
+  kinds = (jmp_lite.StochasticRoundingState, jmp_lite.StateDtypesState)
+  return int(jmp_lite.struct.find_nodes(state, kinds)[0].count)
+
+
+@pytest.mark.parametrize("use_update_and_apply", [False, True])
+def test_stochastic_rounding_counter_advances_when_one_partition_applies(
+    use_update_and_apply):
+  """One partition's guard skips, the other's applies: the applied partition
+  must draw fresh bits next step. Were the counter to stand still, it would
+  round the same elements the same way again (correlated, biased)."""
+  opt = _two_partitions(lambda inner: jmp_lite.stochastic_rounding(
+      inner, seed=0))
+  params = {"a": jnp.ones(64, jnp.bfloat16), "b": jnp.ones(64, jnp.bfloat16)}
+  state = opt.init(params)
+  # Half an ulp of 1.0 in bfloat16: each element rounds up or down at random.
+  grads = {"a": jnp.full(64, 2.0**-9), "b": jnp.full(64, jnp.nan)}
+  if use_update_and_apply:
+    step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
+  else:
+    step = jax.jit(lambda p, s, g: _apply_update(opt, p, s, g))
+  moved = []
+  for i in range(2):
+    new_params, state = step(params, state, grads)
+    assert _counter(state) == i + 1
+    moved.append(np.asarray(new_params["a"] != params["a"]))
+    chex.assert_trees_all_equal(new_params["b"], params["b"])
+  assert moved[0].any() and (moved[0] != moved[1]).any()
+  # Both partitions skipped: the state comes back bit-identical.
+  both_bad = {"a": jnp.full(64, jnp.inf), "b": jnp.full(64, jnp.nan)}
+  _, skipped = step(params, state, both_bad)
+  assert _counter(skipped) == 2
+  chex.assert_trees_all_equal(_ours(skipped), _ours(state))
+
+
+def _apply_update(opt, params, state, grads):
+  updates, state = opt.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def test_state_dtypes_stochastic_counter_advances_when_one_partition_applies():
+  opt = _two_partitions(lambda inner: jmp_lite.state_dtypes(
+      inner, "bf16", rounding="stochastic", seed=1))
+  params = {"a": jnp.ones(4), "b": jnp.ones(4)}
+  state = opt.init(params)
+  grads = {"a": jnp.ones(4), "b": jnp.full(4, jnp.nan)}
+  _, state = jax.jit(opt.update)(grads, state, params)
+  assert _counter(state) == 1
+  _, skipped = jax.jit(opt.update)(
+      {"a": jnp.full(4, jnp.nan), "b": jnp.full(4, jnp.nan)}, state, params)
+  assert _counter(skipped) == 1
+
+
+def test_stochastic_rounding_counter_ignores_guards_inside_a_skipping_one():
+  """A guard inside a guard that skipped keeps last step's state (here: an
+  applied one). The step moved nothing, so the counter must stay."""
+  inner = jmp_lite.skip_nonfinite(optax.multi_transform(
+      {"a": jmp_lite.loss_scaled(optax.sgd(1.0), NOOP, name="a"),
+       "b": jmp_lite.loss_scaled(optax.sgd(1.0), NOOP, name="b")},
+      {"a": "a", "b": "b"}))
+  opt = jmp_lite.stochastic_rounding(inner, seed=2)
+  params = {"a": jnp.ones(4, jnp.bfloat16), "b": jnp.ones(4, jnp.bfloat16)}
+  state = opt.init(params)
+  _, state = opt.update({"a": jnp.ones(4), "b": jnp.ones(4)}, state, params)
+  assert _counter(state) == 1
+  _, state = opt.update({"a": jnp.full(4, jnp.nan), "b": jnp.ones(4)}, state,
+                        params)
+  assert _counter(state) == 1   # The outer guard skipped the whole step.
 
 
 @pytest.mark.parametrize("inner", ["kahan(state_dtypes)", "sr(state_dtypes)",

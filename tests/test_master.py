@@ -102,6 +102,16 @@ def test_update_requires_params():
 def test_bad_master_dtype():
   with pytest.raises(TypeError, match="dtype must be a floating dtype"):
     jmp_lite.master_weights(optax.sgd(0.1), dtype=jnp.int32)
+  # np.dtype(None) is float64: None must not pass for a dtype.
+  with pytest.raises(TypeError, match="dtype must be a floating dtype.*got"
+                     " None"):
+    jmp_lite.master_weights(optax.sgd(0.1), dtype=None)
+
+
+def test_not_a_transformation_fails_when_built():
+  with pytest.raises(TypeError, match="master_weights expects an"
+                     r" optax.GradientTransformation .* got str: 'adam'"):
+    jmp_lite.master_weights("adam")
 
 
 def test_master_params_lookup_errors():

@@ -255,6 +255,26 @@ def test_accumulate_gradients_validation():
     jmp_lite.accumulate_gradients(optax.sgd(0.1), every_k=0)
   with pytest.raises(TypeError, match="every_k must be an int"):
     jmp_lite.accumulate_gradients(optax.sgd(0.1), every_k=2.0)
+  for flag in (True, np.bool_(True)):
+    with pytest.raises(TypeError, match="every_k must be an int"):
+      jmp_lite.accumulate_gradients(optax.sgd(0.1), every_k=flag)
+  with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1"):
+    jmp_lite.accumulate_gradients(optax.sgd(0.1), every_k=2**40)
+  with pytest.raises(TypeError, match="accumulate_gradients expects an"
+                     r" optax.GradientTransformation .* got str: 'adam'"):
+    jmp_lite.accumulate_gradients("adam", 2)
+  with pytest.raises(TypeError, match="dtype must be a floating dtype.*got"
+                     " None"):
+    jmp_lite.accumulate_gradients(optax.sgd(0.1), 2, dtype=None)
+
+
+def test_accumulate_gradients_takes_numpy_integers():
+  opt = jmp_lite.accumulate_gradients(optax.sgd(1.0), np.int64(2))
+  params = jnp.zeros(1)
+  state = opt.init(params)
+  u1, state = opt.update(jnp.array([1.0]), state, params)
+  u2, state = opt.update(jnp.array([3.0]), state, params)
+  assert float(u1[0]) == 0.0 and float(u2[0]) == -2.0
 
 
 def test_partitioned_optimizers_with_their_own_scales():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -87,7 +89,7 @@ def test_max_consecutive_skips_halts_and_never_applies_nonfinite():
   _, state = update(_grads(bad=np.nan), state, params)
   assert bool(state.halted)
   with pytest.raises(jmp_lite.NonFiniteHaltError,
-                     match="halted after 2 consecutive"):
+                     match="halted by 2 consecutive"):
     jmp_lite.raise_if_halted({"opt": state})
   # Halted is sticky: even finite steps are skipped from now on.
   updates, state = update(_grads(), state, params)
@@ -96,15 +98,69 @@ def test_max_consecutive_skips_halts_and_never_applies_nonfinite():
     np.testing.assert_array_equal(np.asarray(u), 0.0)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, 2**40, np.bool_(True)])
 def test_max_consecutive_skips_validation(bad):
   with pytest.raises((ValueError, TypeError), match="max_consecutive_skips"):
     jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=bad)
 
 
+def test_max_consecutive_skips_takes_numpy_integers():
+  opt = jmp_lite.skip_nonfinite(optax.sgd(0.1),
+                                max_consecutive_skips=np.int64(2))
+  state = opt.init(_params())
+  assert state.max_consecutive_skips == 2
+  assert type(state.max_consecutive_skips) is int
+
+
+def test_halt_message_reports_the_limit_and_the_skips_since():
+  """The halt came on the 2nd consecutive non-finite step; the finite steps
+  after it were skipped by the halt, not for being non-finite."""
+  opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=2)
+  params = _params()
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  for bad in (None, np.nan, np.inf, None, None):
+    _, state = update(_grads(bad=bad), state, params)
+  assert int(state.consecutive_skips) == 4 and int(state.total_skips) == 4
+  with pytest.raises(jmp_lite.NonFiniteHaltError) as info:
+    jmp_lite.raise_if_halted(state)
+  message = str(info.value)
+  assert "halted by 2 consecutive steps with non-finite gradients" in message
+  assert "max_consecutive_skips=2" in message
+  assert "(2 so far; 4 skipped in all)" in message
+  assert "4 consecutive" not in message
+  # The limit is static: it survives what a state goes through.
+  for same in (jax.tree.map(lambda x: x, state),
+               pickle.loads(pickle.dumps(jax.device_get(state)))):
+    with pytest.raises(jmp_lite.NonFiniteHaltError, match="halted by 2"):
+      jmp_lite.raise_if_halted(same)
+  assert jax.eval_shape(lambda s: s, state).max_consecutive_skips == 2
+  jax.jit(lambda s: s).lower(state)
+
+
+@pytest.mark.parametrize("flag", ["allow_half_state", "track_nonfinite",
+                                  "check_updates"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, 0])
+def test_loss_scaled_bool_flags_take_only_bools(flag, value):
+  # "no" is truthy: taken as a flag it would switch the option *on*.
+  with pytest.raises(TypeError, match=f"{flag} must be .*a bool"):
+    jmp_lite.loss_scaled(optax.sgd(0.1), "f32", **{flag: value})
+
+
+def test_loss_scaled_bool_flags_take_numpy_bools_and_none():
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1), "f32",
+                             allow_half_state=np.bool_(True),
+                             track_nonfinite=np.False_, check_updates=None)
+  state = opt.init(_params())
+  assert state.config.check_updates is True  # None: as allow_half_state.
+
+
 def test_not_a_transformation():
   with pytest.raises(TypeError, match="optax.GradientTransformation"):
     jmp_lite.skip_nonfinite(lambda g: g)
+  with pytest.raises(TypeError, match="loss_scaled expects an"
+                     r" optax.GradientTransformation .* got str: 'adam'"):
+    jmp_lite.loss_scaled("adam", "f32")
   with pytest.raises(TypeError, match="loss_scale must be"):
     jmp_lite.loss_scaled(optax.sgd(0.1), 2.0**15)
 

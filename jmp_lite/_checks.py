@@ -1,0 +1,67 @@
+"""Argument checks the optimizer wrappers share.
+
+Bad configuration fails where it is given, naming the value, rather than at
+``init`` or, worse, silently (a truthy string switching a flag on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def check_transformation(inner: Any, who: str) -> None:
+  """Raises unless ``inner`` looks like an optax gradient transformation.
+
+  Wrappers call it when they are built, so that ``master_weights("adam")``
+  fails there, naming the value, rather than at ``init``.
+
+  Args:
+    inner: the value given as the optimizer to wrap.
+    who: the wrapper's name, for the message.
+
+  Raises:
+    TypeError: if ``inner`` has no callable ``init`` and ``update``.
+
+  Example:
+    >>> import optax
+    >>> from jmp_lite._checks import check_transformation
+    >>> check_transformation(optax.sgd(0.1), "master_weights")
+  """
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"{who} expects an optax.GradientTransformation (with init and"
+        f" update), got {type(inner).__name__}: {inner!r}")
+
+
+def check_bool(value: Any, what: str, optional: bool = False) -> Any:
+  """``value`` as a Python bool (or ``None`` where ``optional``).
+
+  Anything else is refused: a truthy string such as ``"no"`` would otherwise
+  switch a flag *on*.
+
+  Args:
+    value: the flag's value: ``True``, ``False`` (numpy bools too).
+    what: the argument's name, for the message.
+    optional: whether ``None`` is accepted (and returned).
+
+  Returns:
+    ``bool(value)``, or ``None``.
+
+  Raises:
+    TypeError: for anything else.
+
+  Example:
+    >>> from jmp_lite._checks import check_bool
+    >>> check_bool(True, "strict")
+    True
+  """
+  if optional and value is None:
+    return None
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"{what} must be {'None or ' if optional else ''}a bool (True or"
+        f" False), got {type(value).__name__}: {value!r}")
+  return bool(value)
