@@ -36,9 +36,10 @@ non-array leaves likewise.
 How: ``fn`` is traced once to a jaxpr, which is rewritten equation by
 equation (an equation whose operand types do not change is kept as it is,
 a sub-computation used several times is rewritten once per call) and then
-inlined into the caller's trace as one nested ``jit``. Its derivative is the
-forward-mode derivative of the rewritten equations, so ``jax.grad`` sees the
-same re-typed computation.
+called from the caller's trace as one nested ``jit`` named ``autocast``
+(which XLA inlines), each equation keeping the source location of the one it
+replaces. Its derivative is the forward-mode derivative of the rewritten
+equations, so ``jax.grad`` sees the same re-typed computation.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ _INTEGER_ONLY = {"and", "or", "not", "xor", "shift_left",
 _CASTABLE = frozenset({np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
                        np.dtype(jnp.float16)})
 _F32 = np.dtype(jnp.float32)
+# Float dtypes autocast never touches (wider than float32; with
+# ``jax_enable_x64``).
+_WIDE = frozenset({np.dtype(np.float64)})
 _Literal = _jaxpr.Literal
 
 
@@ -146,6 +150,9 @@ def _check_names(names: Iterable[Any], what: str) -> set[str]:
     # letter by letter).
     raise TypeError(f"{what} takes a list of primitive names or jax"
                     f" primitives; wrap the one given in a list: [{names!r}]")
+  if not isinstance(names, Iterable):
+    raise TypeError(f"{what} takes a list of primitive names or jax"
+                    f" primitives, got {type(names).__name__}: {names!r}")
   out: set[str] = set()
   known: dict[str, Any] | None = None
   for item in names:
@@ -340,7 +347,13 @@ class _Retyper:
     cfg = self.cfg
     name = eqn.primitive.name
     params = eqn.params
-    if mode == "off":
+    if mode == "off" or any(v.aval.dtype in _WIDE
+                            for v in (*eqn.invars, *eqn.outvars)):
+      # float64 is never touched, so an equation that reads or makes it runs
+      # as written, float32 operands beside it included, as in plain JAX
+      # (``dot_general`` takes mixed operands): re-typing only the float32
+      # operand, or asking for a half product, would round a float64 result
+      # through the compute dtype.
       category = "original"
       invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
     elif (cfg.fp8 is not None and name == "dot_general" and name in cfg.lower
@@ -396,6 +409,7 @@ class _Retyper:
     # Values cross the boundary in the original types: signatures are kept,
     # so the outputs keep their types too.
     invars = self.to_avals(invars, eqn.invars, casts, eqns, eqn)
+    start = len(self.records) if self.records is not None else 0
     params = dict(eqn.params)
     for key, value in params.items():
       if _jaxpr.is_jaxpr(value):
@@ -403,8 +417,30 @@ class _Retyper:
       elif (isinstance(value, tuple) and value
             and all(_jaxpr.is_jaxpr(s) for s in value)):
         params[key] = tuple(self.retyped(eqn, s, mode) for s in value)
+    if self.records is not None and len(self.records) > start:
+      self.repeat_records(eqn, start)
     eqns.append(eqn.replace(invars=invars, params=params))
     return eqn.outvars
+
+  def repeat_records(self, eqn: Any, start: int) -> None:
+    """Scales the audit records from ``start`` on by ``eqn``'s trip count.
+
+    Applied here, not in :meth:`retyped`, whose memo keeps a body's records
+    per single run: the same body may sit in scans of different lengths,
+    and nested scans multiply as each one scales what its body recorded.
+    """
+    records = self.records
+    assert records is not None
+    name = eqn.primitive.name
+    if name == "scan":
+      n = int(eqn.params["length"])
+      records[start:] = [dataclasses.replace(
+          r, repeats=r.repeats * n, flops=r.flops * n) for r in records[start:]]
+    elif name == "while":
+      # The trip count is a run-time value: the body counts once per loop,
+      # and is marked so the audit can say so.
+      records[start:] = [dataclasses.replace(r, in_while_loop=True)
+                         for r in records[start:]]
 
   def retyped(self, eqn: Any, sub: Any, mode: str) -> Any:
     """``sub`` (a jaxpr parameter of ``eqn``) rewritten, same signature."""
@@ -517,6 +553,10 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                  fp8_scopes: Sequence[str] | None = None,
                  fp8_exclude_scopes: Sequence[str] = ()) -> _Config:
   """Validates :func:`autocast`'s options (shared with the audit)."""
+  for what, flag in (("use_default_lists", use_default_lists),
+                     ("accumulate_in_float32", accumulate_in_float32)):
+    if not isinstance(flag, (bool, np.bool_)):  # "no" would read as True.
+      raise TypeError(f"{what} must be a bool, got {flag!r}")
   if isinstance(policy_or_dtype, str) and "=" in policy_or_dtype:
     policy_or_dtype = get_policy(policy_or_dtype)  # "p=f32,c=bf16,o=f32"
   if isinstance(policy_or_dtype, Policy):
@@ -542,7 +582,8 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
                        ("force_scopes", force_scopes),
                        ("fp8_scopes", () if fp8_scopes is None else fp8_scopes),
                        ("fp8_exclude_scopes", fp8_exclude_scopes)):
-    if isinstance(scopes, str) or not all(isinstance(s, str) for s in scopes):
+    if (isinstance(scopes, str) or not isinstance(scopes, Iterable)
+        or not all(isinstance(s, str) for s in scopes)):
       raise TypeError(f"{what} must be a sequence of scope names, got"
                       f" {scopes!r}")
   if fp8 is not None:
@@ -714,9 +755,11 @@ def autocast(
     ValueError: for unknown, higher-order or integer-only primitives in the
       lists, or one listed in both; FP8 scopes without a recipe; from the
       returned function, an FP8 state of the wrong length.
-    TypeError: for a compute dtype that is not float16/bfloat16/float32, an
-      ``fp8`` that is not a recipe; from the returned function, an FP8 state
-      that is not a tuple of :class:`jmp_lite.fp8.ScalingState`.
+    TypeError: for a ``fn`` that is not callable, a compute dtype that is
+      not float16/bfloat16/float32, an ``fp8`` that is not a recipe, lists
+      or scopes that are not lists (of names), flags that are not bools;
+      from the returned function, an FP8 state that is not a tuple of
+      :class:`jmp_lite.fp8.ScalingState`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -769,7 +812,14 @@ class AuditRecord:
     dtype: the float dtype it ran in (``"-"`` for none).
     input_dtypes: dtypes of its inputs after casting.
     output_dtypes: dtypes of its outputs.
-    flops: floating-point operations (matmuls and convolutions only).
+    flops: floating-point operations of all its runs (``repeats`` times one
+      run's; matmuls and convolutions only).
+    repeats: how many times it runs per call: the product of the lengths of
+      the ``lax.scan`` loops around it (``fori_loop`` with static bounds
+      and ``lax.map`` are scans), 1 outside loops.
+    in_while_loop: it sits in a ``lax.while_loop`` (or a ``fori_loop`` with
+      traced bounds), whose trip count is unknown when tracing: ``repeats``
+      and ``flops`` count one run per loop.
   """
 
   primitive: str
@@ -778,6 +828,8 @@ class AuditRecord:
   input_dtypes: tuple[str, ...]
   output_dtypes: tuple[str, ...]
   flops: float
+  repeats: int = 1
+  in_while_loop: bool = False
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -804,8 +856,9 @@ class Audit:
   """What autocast did to a function: every primitive and its dtype.
 
   Attributes:
-    records: one :class:`AuditRecord` per primitive executed (sub-computations
-      included).
+    records: one :class:`AuditRecord` per primitive equation, sub-computations
+      included (once per use of one); a loop body's are listed once, with
+      the number of runs in ``repeats``.
     compute_dtype: the autocast compute dtype.
   """
 
@@ -813,7 +866,7 @@ class Audit:
   compute_dtype: str
 
   def matmul_flops(self) -> dict[str, float]:
-    """Matmul/convolution FLOPs by the dtype they ran in."""
+    """Matmul/convolution FLOPs by the dtype they ran in (all loop runs)."""
     out: dict[str, float] = {}
     for r in self.records:
       if r.flops:
@@ -836,18 +889,36 @@ class Audit:
 
   def __str__(self) -> str:
     counts: dict[tuple[str, str, str], int] = {}
-    for r in self.records:
+    for r in self.records:  # Runs per call: a scan body's once per step.
       key = (r.primitive, r.category, r.dtype)
-      counts[key] = counts.get(key, 0) + 1
-    lines = [f"{'primitive':24} {'rule':9} {'dtype':9} count"]
+      counts[key] = counts.get(key, 0) + r.repeats
+    # Wide enough for FP8 names (fp8-delayed, float8_e4m3fn).
+    wc = max([9, *(len(c) for _, c, _ in counts)])
+    wd = max([9, *(len(d) for _, _, d in counts)])
+    lines = [f"{'primitive':24} {'rule':{wc}} {'dtype':{wd}} count"]
     for (p, c, d), n in sorted(counts.items()):
-      lines.append(f"{p:24} {c:9} {d:9} {n}")
+      lines.append(f"{p:24} {c:{wc}} {d:{wd}} {n}")
     lines.append(f"matmul/conv FLOPs in half precision:"
                  f" {100 * self.half_flop_fraction():.1f}%")
     if any(r.category.startswith("fp8") for r in self.records):
       lines.append(f"matmul/conv FLOPs in FP8:"
                    f" {100 * self.fp8_flop_fraction():.1f}%")
+    in_while = sum(r.in_while_loop for r in self.records)
+    if in_while:
+      lines.append(f"{in_while} primitive(s) in while loops counted once per"
+                   " loop (trip counts are unknown when tracing)")
     return "\n".join(lines)
+
+
+def _check_options(fn: Any, options: dict[str, Any]) -> None:
+  """The checks :func:`autocast_audit` and :func:`autocast_fp8_state` share."""
+  if not callable(fn):
+    raise TypeError(f"autocast expects a callable, got {fn!r}")
+  unknown = set(options) - set(inspect.signature(_make_config).parameters)
+  if unknown:
+    raise TypeError(
+        f"Unknown autocast options: {sorted(unknown)} (keyword arguments are"
+        " autocast's options; bind fn's own with functools.partial)")
 
 
 def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
@@ -855,7 +926,13 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
   """Lists the primitives ``autocast(fn)`` runs, their dtypes and FLOPs.
 
   Traces abstractly (nothing is computed). A sub-computation used several
-  times is listed once per use.
+  times is listed once per use. A ``lax.scan`` body is listed once and
+  counted once per step (nested scans multiply: ``AuditRecord.repeats``),
+  in the FLOPs and in the printed counts. A ``lax.while_loop``'s trip count
+  is unknown when tracing, so its body counts once per loop
+  (``AuditRecord.in_while_loop``; the printed audit says how many such
+  primitives there are). Every branch of a ``lax.cond``/``switch`` counts,
+  as though each ran.
 
   Args:
     fn: the function.
@@ -877,9 +954,7 @@ def autocast_audit(fn: Callable[..., Any], policy_or_dtype: Any, *args: Any,
     >>> audit.half_flop_fraction(), audit.matmul_flops()
     (1.0, {'bfloat16': 128.0})
   """
-  unknown = set(options) - set(inspect.signature(_make_config).parameters)
-  if unknown:
-    raise TypeError(f"Unknown autocast options: {sorted(unknown)}")
+  _check_options(fn, options)
   cfg = _make_config(policy_or_dtype, **options)
   records: list[AuditRecord] = []
   _run(fn, cfg, args, {}, records)
@@ -920,9 +995,7 @@ def autocast_fp8_state(fn: Callable[..., Any], policy_or_dtype: Any,
     >>> len(state), state[1].history[:, 0].tolist()  # x@w0, w1, cotangent
     (2, [0.76171875, 1.0, 1.0])
   """
-  unknown = set(options) - set(inspect.signature(_make_config).parameters)
-  if unknown:
-    raise TypeError(f"Unknown autocast options: {sorted(unknown)}")
+  _check_options(fn, options)
   cfg = _make_config(policy_or_dtype, **options)
   if not cfg.delayed:
     raise ValueError(

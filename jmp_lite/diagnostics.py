@@ -1,7 +1,8 @@
 """Numerics diagnostics: where precision is lost and why a step was skipped.
 
-All array functions here are jit-safe and never sync with the host; the
-helpers that print or return Python values say so.
+All array functions here are jit-safe and never sync with the host (but
+for reading a concrete loss scale to check it); the helpers that print or
+return Python values say so.
 
 * :func:`nonfinite_counts` — per parameter path, how many gradient elements
   are +-inf/NaN (also kept by ``loss_scaled(..., track_nonfinite=True)``).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ import numpy as np
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.path_rules import path_string
+from jmp_lite.policy import get_policy
 
 __all__ = ["GradientHealth", "Misaligned", "NonfiniteOrigin",
            "PrecisionWarning", "check_alignment", "check_hardware",
@@ -115,6 +118,10 @@ def nonfinite_paths(counts: Any) -> dict[str, int]:
   """
   out = {}
   for path, value in jax.tree_util.tree_flatten_with_path(counts)[0]:
+    if np.ndim(value) != 0:  # Say so, rather than numpy's scalar error.
+      raise ValueError(
+          f"nonfinite_paths takes counts from nonfinite_counts (a scalar per"
+          f" leaf), got shape {np.shape(value)} at {path_string(path)!r}")
     n = int(value)
     if n:
       out[path_string(path)] = n
@@ -154,11 +161,19 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
   Args:
     grads: the *unscaled* gradients, in float32 (say, from a float32 run or
       after ``unscale``).
-    loss_scale: a number, a scalar array or a loss-scale state.
+    loss_scale: a positive number or scalar array, a loss-scale state, or
+      a :func:`~jmp_lite.loss_scaled` state (its current scale).
     dtype: the half dtype the scaled gradients would live in.
 
   Returns:
     A :class:`GradientHealth` (a pytree of arrays; jit-safe).
+
+  Raises:
+    TypeError: if ``loss_scale`` is not a real number, array or loss-scale
+      state.
+    ValueError: if ``loss_scale`` is not a scalar, or is concrete and not
+      positive and finite (a concrete ``jax.Array`` is read to check it;
+      a traced one, under ``jit``, is not checked).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -170,8 +185,7 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
     0.0
   """
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
-  scale = jnp.asarray(getattr(loss_scale, "loss_scale", loss_scale),
-                      jnp.float32)
+  scale = jnp.asarray(_checked_scale(loss_scale), jnp.float32)
   fmax = float(jnp.finfo(dtype).max)
 
   def leaf_stats(x):
@@ -196,6 +210,30 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
   headroom = jnp.log2(fmax / jnp.maximum(largest, jnp.finfo(jnp.float32).tiny))
   return GradientHealth(underflow=pick(0), overflow=pick(1), zeros=pick(2),
                         headroom_bits=headroom)
+
+
+def _checked_scale(loss_scale: Any) -> Any:
+  """``loss_scale``'s scale value, checked where it is known (not traced)."""
+  value = loss_scale
+  while hasattr(value, "loss_scale"):  # loss_scaled state > loss-scale state
+    value = value.loss_scale
+  dtype = getattr(value, "dtype", None)
+  if isinstance(value, (bool, np.bool_)) or not (
+      isinstance(value, numbers.Real)
+      or (isinstance(value, (jax.Array, np.ndarray, np.generic))
+          and (jnp.issubdtype(dtype, jnp.floating)
+               or jnp.issubdtype(dtype, jnp.integer)))):
+    raise TypeError(
+        "loss_scale must be a positive number, a scalar array or a loss-scale"
+        f" state, got {type(value).__name__}: {value!r}")
+  if np.ndim(value) != 0:
+    raise ValueError(
+        f"loss_scale must be a scalar, got shape {np.shape(value)}")
+  if not _jaxpr.is_tracer(value):
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+      raise ValueError(f"loss_scale must be positive and finite, got {v}")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +343,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     >>> origin.primitive, origin.dtype
     ('exp', 'float16')
   """
+  _check_callable(fn, "find_nonfinite")
   # Array leaves are traced; the rest (an Equinox module's functions and
   # static fields) is passed through as it is.
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
@@ -336,6 +375,12 @@ class Misaligned:
   location: str
   dims: dict[str, int]
   hint: str
+
+
+def _check_callable(fn: Any, what: str) -> None:
+  if not callable(fn):  # Now, rather than from deep inside tracing.
+    raise TypeError(f"{what} expects a callable, got {type(fn).__name__}:"
+                    f" {fn!r}")
 
 
 def _round_up(n: int, m: int) -> int:
@@ -378,6 +423,7 @@ def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
     pad the batch or choose a multiple.
 
   Raises:
+    TypeError: if ``fn`` is not callable, or ``multiple`` is not an int.
     ValueError: if ``multiple`` < 1.
 
   Example:
@@ -386,6 +432,14 @@ def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
     ...     lambda x, w: x @ w, jnp.ones((64, 100)), jnp.ones((100, 10)))]
     [{'N': 10, 'K': 100}]
   """
+  _check_callable(fn, "check_alignment")
+  # A bool is an int to Python, never a meant multiple; a float such as 8.5
+  # would be "rounded up" to non-integer sizes.
+  if isinstance(multiple, (bool, np.bool_)) or not isinstance(
+      multiple, numbers.Integral):
+    raise TypeError(f"multiple must be a positive int, got"
+                    f" {type(multiple).__name__}: {multiple!r}")
+  multiple = int(multiple)
   if multiple < 1:
     raise ValueError(f"multiple must be >= 1, got {multiple}")
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
@@ -421,7 +475,8 @@ def check_hardware(dtype: Any, device: Any = None, *,
   * any half dtype on the CPU (emulated, usually slower than float32).
 
   Args:
-    dtype: a dtype, name, or :class:`~jmp_lite.Policy` (its compute dtype).
+    dtype: a dtype, name, :class:`~jmp_lite.Policy` or policy string such as
+      ``"p=f32,c=bf16"`` (its compute dtype).
     device: a ``jax.Device``; defaults to the first local device.
     warn: also issue each message as a :class:`PrecisionWarning`.
 
@@ -433,10 +488,15 @@ def check_hardware(dtype: Any, device: Any = None, *,
     >>> jmp_lite.check_hardware("f32")
     []
   """
+  if isinstance(dtype, str) and "=" in dtype:
+    dtype = get_policy(dtype)  # "p=f32,c=bf16", as autocast takes it.
   dtype = getattr(dtype, "compute_dtype", dtype)
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
   if device is None:
     device = jax.local_devices()[0]
+  elif not isinstance(getattr(device, "platform", None), str):
+    raise TypeError(f"device must be a jax.Device (e.g. jax.devices()[0]),"
+                    f" got {type(device).__name__}: {device!r}")
   platform = device.platform.lower()
   name = dtype.name
   messages = []

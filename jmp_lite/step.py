@@ -332,7 +332,9 @@ def apply_gradients(state: Any, *, grads: Any, **kwargs: Any) -> Any:
   Args:
     state: the train state.
     grads: the gradients (of the scaled loss with a loss-scaled ``tx``).
-    **kwargs: other fields to replace (``batch_stats=...``).
+    **kwargs: other fields to replace (``batch_stats=...``); they are
+      replaced on a skipped step too (the guard protects only what goes
+      through the optimizer).
 
   Returns:
     The new state.
@@ -393,7 +395,7 @@ def scaled_value_and_grad(
     fun: Callable[..., Any],
     loss_scale: Any,
     *,
-    argnums: int | tuple[int, ...] = 0,
+    argnums: int | tuple[int, ...] | None = None,
     has_aux: bool = False,
     value_and_grad: Callable[..., Any] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
@@ -415,11 +417,17 @@ def scaled_value_and_grad(
       ``flax.nnx.Optimizer``'s ``opt_state`` works too). With several named
       loss-scaled states pass ``current_loss_scale(state, name)``.
     argnums: which positional argument(s) to differentiate, as for
-      ``jax.value_and_grad``.
+      ``jax.value_and_grad``; ``None`` (the default) passes none, so the
+      transformation's own default applies (``jax.value_and_grad``'s: the
+      first argument).
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     value_and_grad: the transformation to use, called as
-      ``value_and_grad(f, argnums=argnums, has_aux=True)``; default
-      ``jax.value_and_grad`` (``flax.nnx.value_and_grad`` for nnx modules).
+      ``value_and_grad(f, has_aux=True)``, plus ``argnums=argnums`` when
+      ``argnums`` is given; default ``jax.value_and_grad``. Pass
+      ``flax.nnx.value_and_grad`` for nnx modules, or
+      ``equinox.filter_value_and_grad`` for an Equinox model (it
+      differentiates the first argument's inexact arrays and takes no
+      ``argnums``).
 
   Returns:
     A function with ``fun``'s signature returning ``(loss, grads)``, or
@@ -440,6 +448,17 @@ def scaled_value_and_grad(
     ...     lambda w: (w ** 2).sum(), scale)(jnp.ones(2))
     >>> float(loss), grads
     (2.0, Array([2048., 2048.], dtype=float32))
+
+    With an Equinox model, ``equinox.filter_value_and_grad`` differentiates
+    its inexact arrays (gradients shaped like the model):
+
+    >>> import equinox as eqx, jax
+    >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    >>> loss, grads = jmp_lite.scaled_value_and_grad(
+    ...     lambda m, x: m(x).sum(), scale,
+    ...     value_and_grad=eqx.filter_value_and_grad)(model, jnp.ones(2))
+    >>> bool((grads.bias == 1024.0).all())
+    True
   """
   if not callable(fun):
     raise TypeError(
@@ -466,7 +485,12 @@ def scaled_value_and_grad(
       loss, aux = out, None
     return scale.scale(loss), (loss, aux)
 
-  grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
+  # argnums only when asked for: transformations such as Equinox's
+  # filter_value_and_grad take none (and reject one).
+  options: dict[str, Any] = {"has_aux": True}
+  if argnums is not None:
+    options["argnums"] = argnums
+  grad_fn = value_and_grad(scaled, **options)
 
   @functools.wraps(fun)
   def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -599,3 +599,149 @@ def test_norms_and_losses_of_representable_activations_do_not_overflow(
   out = variant(jmp_lite.autocast(linen_rms_norm, jnp.float16))(w, x)
   np.testing.assert_allclose(np.abs(np.asarray(out, np.float32)), 1.0,
                              rtol=1e-2)
+
+
+def _dots(closed):
+  """``(operand dtypes, preferred_element_type, result dtype)`` of each
+  ``dot_general``, sub-jaxprs included."""
+  out = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "dot_general":
+        out.append((tuple(str(v.aval.dtype) for v in eqn.invars),
+                    str(np.dtype(eqn.params["preferred_element_type"])),
+                    str(eqn.outvars[0].aval.dtype)))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(closed.jaxpr)
+  return out
+
+
+def test_float64_matmuls_run_as_in_plain_jax():
+  """A float64 @ float32 matmul was rounded through bfloat16: its float32
+  operand was cast and a bfloat16 product asked for. Equations that read or
+  make float64 now run as written; the float32 matmul beside them does not."""
+  def f(a, b, c):
+    return (a @ b, jnp.matmul(b, c, preferred_element_type=jnp.float64),
+            b @ c)
+
+  with jax.enable_x64(True):
+    a64 = jnp.full((1, 2), 1.0 + 2.0**-20, jnp.float64)
+    b32 = jnp.full((2, 2), 1.0 + 2.0**-12, jnp.float32)
+    c32 = jnp.ones((2, 1), jnp.float32)
+    g = jmp_lite.autocast(f, "bf16")
+    assert _dots(jax.make_jaxpr(g)(a64, b32, c32)) == [
+        (("float64", "float32"), "float64", "float64"),
+        (("float32", "float32"), "float64", "float64"),
+        (("bfloat16", "bfloat16"), "bfloat16", "bfloat16")]
+    for got, want in zip(g(a64, b32, c32)[:2], f(a64, b32, c32)[:2],
+                         strict=True):
+      assert_dtype(got, jnp.float64)
+      np.testing.assert_array_equal(got, want)
+    grad = jax.grad(lambda a, b: g(a, b, c32)[0].sum(), argnums=(0, 1))
+    ref = jax.grad(lambda a, b: f(a, b, c32)[0].sum(), argnums=(0, 1))
+    chex.assert_trees_all_equal(grad(a64, b32), ref(a64, b32))
+    audit = jmp_lite.autocast_audit(f, "bf16", a64, b32, c32)
+  assert [(r.category, r.dtype) for r in audit.records] == [
+      ("original", "float64"), ("original", "float32"),
+      ("lower", "bfloat16")]
+  assert not jax.config.jax_enable_x64  # The context did not leak.
+
+
+def test_audit_counts_scan_steps_and_marks_while_loops():
+  """A scan body's matmuls were counted once, not once per step."""
+  w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))  # one x @ w: 512 FLOPs
+
+  def f(w, x):
+    def outer(c, _):
+      c, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), c, None,
+                          length=3)
+      return c, None
+    c, _ = jax.lax.scan(outer, x, None, length=5)
+    with jmp_lite.float32_region():
+      return (c @ w).sum()
+
+  audit = jmp_lite.autocast_audit(f, "bf16", w, x)
+  assert audit.matmul_flops() == {"bfloat16": 15 * 512.0, "float32": 512.0}
+  assert audit.half_flop_fraction() == pytest.approx(15 / 16)
+  dots = [(r.dtype, r.repeats, r.flops) for r in audit.records
+          if r.primitive == "dot_general"]
+  assert dots == [("bfloat16", 15, 15 * 512.0), ("float32", 1, 512.0)]
+  assert "dot_general              lower     bfloat16  15" in str(audit)
+  # The same body in scans of different lengths: counted per scan.
+  body = lambda c, _: (c @ w, None)  # noqa: E731
+  twice = lambda x: jax.lax.scan(body, jax.lax.scan(body, x, None, 2)[0],  # noqa: E731
+                                 None, 7)[0]
+  assert jmp_lite.autocast_audit(twice, "bf16", x).matmul_flops() == {
+      "bfloat16": 9 * 512.0}
+
+  # A while loop's trip count is unknown when tracing: one run, marked.
+  def loop(n, x):
+    return jax.lax.fori_loop(0, n, lambda i, c: c @ w, x)
+
+  audit = jmp_lite.autocast_audit(loop, "bf16", jnp.int32(4), x)
+  (dot,) = [r for r in audit.records if r.primitive == "dot_general"]
+  assert dot.in_while_loop and dot.repeats == 1 and dot.flops == 512.0
+  assert "in while loops counted once per loop" in str(audit)
+  assert "while loops" not in str(jmp_lite.autocast_audit(f, "bf16", w, x))
+
+
+def _overflowing_loss(w, x):
+  return jnp.tanh(x @ w).sum()  # The matmul overflows float16.
+
+
+_OVERFLOW_LINE = _overflowing_loss.__code__.co_firstlineno + 1
+
+
+@pytest.mark.parametrize("wrap", ["plain", "jit", "grad"])
+def test_rewritten_equations_keep_the_users_source_location(wrap):
+  """find_nonfinite and check_alignment pointed at jmp_lite/_jaxpr.py."""
+  g = jmp_lite.autocast(_overflowing_loss, jnp.float16)
+  g = {"plain": g, "jit": jax.jit(g), "grad": jax.grad(g)}[wrap]
+  w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)
+  origin = jmp_lite.find_nonfinite(g, w, x)
+  assert (origin.primitive, origin.dtype) == ("dot_general", "float16")
+  where = f"test_autocast.py:{_OVERFLOW_LINE}:"
+  assert where in origin.location and "_overflowing_loss" in origin.location
+  found = jmp_lite.check_alignment(g, jnp.ones((3, 3)), jnp.ones((2, 3)))
+  assert found and all(where in m.location for m in found), found
+  # XLA's op metadata names the user's line too.
+  hlo = jax.jit(g).lower(w, x).as_text(debug_info=True)
+  assert f'test_autocast.py":{_OVERFLOW_LINE}:' in hlo
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: jmp_lite.autocast(lambda x: x, "bf16", allow=None), TypeError,
+     "allow takes a list"),
+    (lambda: jmp_lite.autocast(lambda x: x, "bf16", deny=3), TypeError,
+     "deny takes a list"),
+    (lambda: jmp_lite.autocast(lambda x: x, "bf16", exclude_scopes=None),
+     TypeError, "sequence of scope names"),
+    (lambda: jmp_lite.autocast(lambda x: x, "bf16", use_default_lists="no"),
+     TypeError, "use_default_lists must be a bool"),
+    (lambda: jmp_lite.autocast(lambda x: x, "bf16",
+                               accumulate_in_float32="yes"),
+     TypeError, "accumulate_in_float32 must be a bool"),
+    (lambda: jmp_lite.autocast_audit(3, "bf16", jnp.ones(2)), TypeError,
+     "expects a callable"),
+    (lambda: jmp_lite.autocast_fp8_state(
+        3, "bf16", jnp.ones(2), fp8=jmp_lite.fp8.DelayedScaling()),
+     TypeError, "expects a callable"),
+    (lambda: jmp_lite.autocast_audit(lambda x, k=1: x, "bf16", jnp.ones(2),
+                                     k=2),
+     TypeError, "functools.partial"),
+])
+def test_bad_inputs_fail_early_with_a_clear_error(call, err, match):
+  with pytest.raises(err, match=match):
+    call()
+
+
+def test_audit_table_fits_fp8_names():
+  audit = jmp_lite.autocast_audit(
+      lambda w, x: x @ w, "bf16", jnp.ones((8, 4)), jnp.ones((2, 8)),
+      fp8=jmp_lite.fp8.DelayedScaling())
+  header, row = str(audit).splitlines()[:2]
+  assert row.split() == ["dot_general", "fp8-delayed", "float8_e4m3fn", "1"]
+  assert row.rindex(" 1") == header.rindex(" count")  # Columns line up.

@@ -158,3 +158,61 @@ def test_diagnostics_take_equinox_modules_as_arguments():
   found = jmp_lite.check_alignment(lambda m, x: jax.vmap(m)(x), mlp,
                                    jnp.ones((4, 3)))
   assert found and all(m.primitive == "dot_general" for m in found)
+
+
+@pytest.mark.parametrize("multiple,err,match", [
+    (8.5, TypeError, "positive int, got float: 8.5"),
+    (8.0, TypeError, "positive int, got float"),
+    (True, TypeError, "positive int, got bool"),
+    ("8", TypeError, "positive int, got str"),
+    (0, ValueError, "multiple must be >= 1, got 0"),
+    (-16, ValueError, "multiple must be >= 1, got -16"),
+])
+def test_check_alignment_takes_a_positive_int_multiple(multiple, err, match):
+  f = lambda a: a @ a  # noqa: E731
+  with pytest.raises(err, match=match):
+    jmp_lite.check_alignment(f, jnp.ones((2, 2)), multiple=multiple)
+  found = jmp_lite.check_alignment(f, jnp.ones((6, 6)), multiple=np.int64(4))
+  assert found[0].hint == "pad to multiples of 4: M 6 -> 8, N 6 -> 8, K 6 -> 8"
+
+
+@pytest.mark.parametrize("scale,err,match", [
+    (-1.0, ValueError, "positive and finite, got -1.0"),
+    (0, ValueError, "positive and finite, got 0.0"),
+    (float("inf"), ValueError, "positive and finite, got inf"),
+    (jnp.float32(jnp.nan), ValueError, "positive and finite, got nan"),
+    (np.array(-2.0), ValueError, "positive and finite, got -2.0"),
+    (jnp.ones(2), ValueError, "must be a scalar, got shape"),
+    ("2", TypeError, "got str"),
+    (None, TypeError, "got NoneType"),
+    (True, TypeError, "got bool"),
+])
+def test_gradient_health_rejects_a_bad_loss_scale(scale, err, match):
+  with pytest.raises(err, match=match):
+    jmp_lite.gradient_health({"w": jnp.ones(2)}, scale)
+
+
+def test_gradient_health_takes_traced_and_state_scales():
+  grads = {"w": jnp.array([1.0, 2.0])}
+  want = float(np.log2(65504 / 8.0))
+  jitted = jax.jit(jmp_lite.gradient_health)
+  for scale in (4.0, jnp.float32(4.0), jmp_lite.StaticLossScale(4.0),
+                jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(
+                    4.0)).init(grads)):
+    for fn in (jmp_lite.gradient_health, jitted):
+      assert float(fn(grads, scale).headroom_bits) == pytest.approx(
+          want, rel=1e-5)
+
+
+def test_diagnostics_bad_inputs_fail_early():
+  with pytest.raises(TypeError, match="find_nonfinite expects a callable"):
+    jmp_lite.find_nonfinite(3, jnp.ones(2))
+  with pytest.raises(TypeError, match="check_alignment expects a callable"):
+    jmp_lite.check_alignment(3, jnp.ones(2))
+  with pytest.raises(ValueError, match="counts from nonfinite_counts"):
+    jmp_lite.nonfinite_paths({"w": jnp.ones(2)})
+  with pytest.raises(TypeError, match="device must be a jax.Device"):
+    jmp_lite.check_hardware("bf16", "gpu")
+  # A policy string, as autocast takes it.
+  assert jmp_lite.check_hardware("p=f32,c=f16", _device("tpu"), warn=False) \
+      == jmp_lite.check_hardware("f16", _device("tpu"), warn=False) != []

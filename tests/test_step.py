@@ -596,6 +596,71 @@ def test_scaled_value_and_grad_errors():
         has_aux=True)(jnp.ones(2))
 
 
+def test_scaled_value_and_grad_passes_argnums_only_when_given():
+  """argnums was always passed, so Equinox's filter_value_and_grad (which
+  takes none) could not be used."""
+  seen = []
+
+  def recording(f, **kwargs):
+    seen.append(sorted(kwargs))
+    return jax.value_and_grad(f, **kwargs)
+
+  scale = jmp_lite.StaticLossScale(2.0)
+  jmp_lite.scaled_value_and_grad(_fun, scale, value_and_grad=recording)
+  jmp_lite.scaled_value_and_grad(_fun, scale, argnums=1,
+                                 value_and_grad=recording)
+  assert seen == [["has_aux"], ["argnums", "has_aux"]]
+  # The default still differentiates the first argument.
+  _, g = jmp_lite.scaled_value_and_grad(_fun, scale)(jnp.ones(2), jnp.ones(2))
+  np.testing.assert_array_equal(np.asarray(g), 4.0)
+
+
+def test_scaled_value_and_grad_with_equinox_filter_value_and_grad():
+  eqx = pytest.importorskip("equinox")
+  import jmp_lite.equinox as jeqx
+
+  model = jeqx.mixed_precision(
+      eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)), "p=f32,c=f16,o=f32")
+  opt = jmp_lite.loss_scaled(optax.adam(1e-2), "p=f32,c=f16,o=f32")
+  opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+  x, y = jnp.ones((8, 4)), jnp.zeros((8, 2))
+
+  def loss(m, x, y):
+    return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+  def aux_loss(m, x, y):
+    return loss(m, x, y), {"n": x.shape[0]}
+
+  fn = jmp_lite.scaled_value_and_grad(
+      loss, opt_state, value_and_grad=eqx.filter_value_and_grad)
+  value, grads = fn(model, x, y)
+  ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model, x, y)
+  assert float(value) == float(ref_value)
+  scale = float(jmp_lite.current_loss_scale(opt_state).loss_scale)
+  chex.assert_trees_all_close(
+      grads, jax.tree.map(lambda g: scale * g, ref_grads), rtol=1e-2)
+  (_, aux), _ = jmp_lite.scaled_value_and_grad(
+      aux_loss, opt_state, has_aux=True,
+      value_and_grad=eqx.filter_value_and_grad)(model, x, y)
+  assert aux == {"n": 8}
+
+  @eqx.filter_jit(donate="all")
+  def step(model, opt_state, x, y):
+    value, grads = jmp_lite.scaled_value_and_grad(
+        loss, opt_state, value_and_grad=eqx.filter_value_and_grad)(model, x, y)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params, opt_state = jmp_lite.update_and_apply(opt, grads, opt_state,
+                                                  params)
+    return eqx.combine(params, static), opt_state, value
+
+  first = None
+  for _ in range(5):
+    model, opt_state, value = step(model, opt_state, x, y)
+    first = float(value) if first is None else first
+  assert float(value) < first
+  assert int(jmp_lite.loss_scaled_state(opt_state).total_skips) == 0
+
+
 def test_two_line_change_from_a_float32_step():
   """The docs' claim: only the optimizer line and the gradient line change."""
   x, y = _batches(1)[0]
