@@ -217,7 +217,7 @@ def _checked_scale(loss_scale: Any) -> Any:
   value = loss_scale
   while hasattr(value, "loss_scale"):  # loss_scaled state > loss-scale state
     value = value.loss_scale
-  dtype = getattr(value, "dtype", None)
+  dtype: Any = getattr(value, "dtype", None)
   if isinstance(value, (bool, np.bool_)) or not (
       isinstance(value, numbers.Real)
       or (isinstance(value, (jax.Array, np.ndarray, np.generic))
@@ -226,9 +226,10 @@ def _checked_scale(loss_scale: Any) -> Any:
     raise TypeError(
         "loss_scale must be a positive number, a scalar array or a loss-scale"
         f" state, got {type(value).__name__}: {value!r}")
-  if np.ndim(value) != 0:
+  checked: Any = value  # A real number or array, as checked above.
+  if np.ndim(checked) != 0:
     raise ValueError(
-        f"loss_scale must be a scalar, got shape {np.shape(value)}")
+        f"loss_scale must be a scalar, got shape {np.shape(checked)}")
   if not _jaxpr.is_tracer(value):
     v = float(value)
     if not (math.isfinite(v) and v > 0):

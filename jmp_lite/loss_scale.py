@@ -106,7 +106,7 @@ def _as_count(value: Any, what: str, bound: str, limit: int) -> Any:
   Returns:
     An int32 scalar (numpy, or JAX for JAX input).
   """
-  dtype = getattr(value, "dtype", None)
+  dtype: Any = getattr(value, "dtype", None)
   if isinstance(value, (bool, np.bool_)) or not (
       isinstance(value, numbers.Integral)
       or (isinstance(value, (jax.Array, np.ndarray, np.generic))
@@ -116,10 +116,11 @@ def _as_count(value: Any, what: str, bound: str, limit: int) -> Any:
         + (f" of dtype {dtype}" if dtype is not None else "")
         + f": {value!r}")
   if not isinstance(value, jax.core.Tracer):
-    if np.ndim(value) != 0:
+    checked: Any = value  # An integer or integer array, as checked above.
+    if np.ndim(checked) != 0:
       raise ValueError(
-          f"{what} must be a scalar, got shape {np.shape(value)}")
-    v = int(value)
+          f"{what} must be a scalar, got shape {np.shape(checked)}")
+    v = int(checked)
     if not 0 <= v < limit:
       raise ValueError(f"{what} must be in [0, {bound}), got {v}")
   return _as_scalar(value, _I32, what)
@@ -144,6 +145,7 @@ def _check_static_int(value: Any, what: str, minimum: int) -> int:
         f"{what} must be a Python int (static configuration), got"
         f" {type(value).__name__}: {value!r}"
     )
+  value = int(value)
   if value < minimum:
     raise ValueError(f"{what} must be >= {minimum}, got {value}")
   if value > _I32_MAX:
