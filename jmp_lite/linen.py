@@ -3,7 +3,10 @@
 :func:`mixed_precision` wraps a module (a model you wrote, or one you import)
 in a :class:`MixedPrecision` module: use it at the top (``init``/``apply``
 with the model's own signatures, ``method=`` included) or as a submodule of
-another model. Its params live exactly where the wrapped model's would.
+another model, whose code calls it, or any of the wrapped model's methods
+(``self.backbone.encode(x)``), under the policy. Its params live exactly
+where the wrapped model's would; ``tabulate``, ``capture_intermediates`` and
+``nn.intercept_methods`` see the model's calls as they would without it.
 
 * **params** are stored in the param dtype and read in the compute dtype (the
   cast is part of the differentiated function, so gradients come back in the
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 import types
 import weakref
@@ -54,6 +58,7 @@ from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite.autocasting import float32_region
 from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport, ReportRow
@@ -131,6 +136,10 @@ class _Call:
   rematting: set[Path] = dataclasses.field(default_factory=set)
   boundaries: set[Path] = dataclasses.field(default_factory=set)
   root_depth: int = 0  # Nesting of root calls: only the outermost casts out.
+  # How many discovery traces were open when this call began (see
+  # `_ThreadState`).
+  discovery_depth: int = dataclasses.field(
+      default_factory=lambda: _STATE.depth)
 
   def relative(self, module: nn.Module) -> Path | None:
     """The path of ``module`` relative to the wrapped root, or ``None``."""
@@ -162,6 +171,38 @@ class _Call:
     return self.resolved[path]
 
 
+class _ThreadState(threading.local):
+  """What nested policies need to know of the ones around them (per thread).
+
+  Attributes:
+    depth: how many :meth:`MixedPrecision._discover` traces are open. Method
+      interceptors are global: a nested policy's discovery trace runs under
+      the outer policy's interceptor too, with paths from its own root.
+    report: ``(recorder, root path, depth)`` while :func:`dtype_report`
+      traces a model, so that nested policies record their modules in it.
+  """
+
+  depth: int = 0
+  report: tuple[_report.Recorder, Path, int] | None = None
+
+
+_STATE = _ThreadState()
+
+
+def _nested_recorder(path: Path) -> _report.Recorder | None:
+  """The enclosing :func:`dtype_report`'s recorder, for a policy at ``path``.
+
+  Without it a nested policy's matmuls count as its parent's own code.
+  """
+  active = _STATE.report
+  if active is None:
+    return None
+  recorder, root, depth = active
+  if depth != _STATE.depth or path[:len(root)] != root:
+    return None  # In a discovery trace, or not under the reported model.
+  return recorder.under(path[len(root):])
+
+
 def _creation_dtype(policy: Policy) -> np.dtype:
   # Params are drawn in (at least) float32 and then stored in the param
   # dtype, so that every policy starts from the same (rounded) weights.
@@ -171,7 +212,10 @@ def _creation_dtype(policy: Policy) -> np.dtype:
 def _interceptor(call: _Call) -> Callable[..., Any]:
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if not _is_real_call(context):
+    if not _is_real_call(context) or (
+        _STATE.depth != call.discovery_depth):
+      # A nested policy's discovery trace (its own model from a fresh root)
+      # is not ours: its paths are not our modules'.
       return next_fun(*args, **kwargs)
     path = call.relative(module)
     if path is None:
@@ -408,6 +452,71 @@ def _call_method(method: Any) -> Callable[..., Any]:
       f" got {method!r}")
 
 
+def _as_method(method: Any) -> Any:
+  """``method=`` as :func:`_call_method` takes it.
+
+  ``wrapper.encode`` (a :class:`_BoundMethod`) is the name ``"encode"`` and
+  ``wrapper.__call__`` is ``None``; another module's bound method is its
+  function, as Flax's own ``apply`` takes ``method=model.encode``.
+  """
+  if isinstance(method, _BoundMethod):
+    return method.name
+  if inspect.ismethod(method) and isinstance(method.__self__, nn.Module):
+    if isinstance(method.__self__, MixedPrecision):
+      if method.__name__ == "__call__":
+        return None
+      raise TypeError(
+          f"method={method.__name__!r} is the wrapper's own method, not the"
+          " wrapped model's")
+    return method.__func__
+  return method
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _BoundMethod:
+  """``wrapper.encode``: a method of the wrapped model, under the policy.
+
+  Attributes:
+    wrapper: the :class:`MixedPrecision` it was read from.
+    name: the wrapped model's method.
+  """
+
+  wrapper: MixedPrecision
+  name: str
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _policy_call(self.name)(self.wrapper, *args, **kwargs)
+
+
+_POLICY_CALL = "jmp_lite_policy"
+
+
+def _policy_call(method: Any, recorder: _report.Recorder | None = None
+                 ) -> Callable[..., Any]:
+  """A Flax-wrapped method of :class:`MixedPrecision` running ``method``.
+
+  Every call of the wrapper goes through one: Flax runs ``setup`` (which
+  shares the scope) before it, and method interceptors see it with the
+  caller's arguments. Its name, ``jmp_lite_policy``, is no attribute of the
+  wrapper, so ``tabulate`` lists the wrapped model's own call in its place
+  (as for the bare model), and ``capture_intermediates`` (which captures
+  ``__call__``) records the model's output once.
+
+  Args:
+    method: the wrapped model's method (``None``, a name or a function).
+    recorder: set when tracing for a :func:`dtype_report`.
+
+  Returns:
+    A function of the wrapper and the method's arguments.
+  """
+
+  def run(mp: MixedPrecision, *args: Any, **kwargs: Any) -> Any:
+    return mp._run(method, args, kwargs, recorder)
+
+  run.__name__ = run.__qualname__ = _POLICY_CALL
+  return nn.module.wrap_method_once(run)
+
+
 class MixedPrecision(nn.Module):
   """A ``flax.linen`` module under a precision policy.
 
@@ -415,7 +524,8 @@ class MixedPrecision(nn.Module):
 
   Use it like the module it wraps: ``init``/``apply`` take the same arguments
   (``method=``, ``rngs=``, ``mutable=``), or call it inside another module's
-  ``setup``/``nn.compact`` as a submodule.
+  ``setup``/``nn.compact`` as a submodule: ``self.backbone(x)``, or any
+  method of the wrapped model, ``self.backbone.encode(x)``.
 
   Attributes:
     module: the wrapped module (unchanged).
@@ -446,13 +556,49 @@ class MixedPrecision(nn.Module):
     """The rules, the user's first, then the float32 islands."""
     return self.rule_set.rules
 
+  @nn.nowrap
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module's ``__call__`` under the policy."""
-    return self._run(None, args, kwargs)
+    return _policy_call(None)(self, *args, **kwargs)
 
+  @nn.nowrap
+  def __getattr__(self, name: str) -> Any:
+    """The wrapped module's other methods, run under the policy.
+
+    So that a parent calls ``self.backbone.encode(x)`` as it would on the
+    bare model. Only plain methods of the wrapped module's class that the
+    wrapper does not have itself; anything else is Flax's lookup.
+
+    Args:
+      name: the attribute.
+
+    Returns:
+      The method, bound to this wrapper.
+
+    Raises:
+      AttributeError: for anything that is not such a method.
+    """
+    try:
+      return super().__getattr__(name)
+    except AttributeError:
+      module = vars(self).get("module")
+      if (name.startswith("_") or not isinstance(module, nn.Module)
+          # A field's default (`attention_fn=`) is no method.
+          or name in getattr(type(module), "__dataclass_fields__", {})
+          or not isinstance(getattr(type(module), name, None),
+                            types.FunctionType)):
+        raise
+    return _BoundMethod(self, name)
+
+  @nn.nowrap
   def _run(self, method: Any, args: tuple, kwargs: dict,
            recorder: _report.Recorder | None = None) -> Any:
+    # Not a Flax-wrapped method: interceptors and `tabulate` see the
+    # wrapper's call (`_policy_call`) with the caller's arguments, never our
+    # bookkeeping. That call ran `setup`.
     fn = _call_method(method)
+    if recorder is None:
+      recorder = _nested_recorder(tuple(self.path))
     call = _Call(self.rule_set, tuple(self.path), {},
                  self.is_initializing(), self.remat_norms, recorder)
     if call.initializing:
@@ -500,11 +646,13 @@ class MixedPrecision(nn.Module):
     mapped = nn.map_variables(inner, "params", trans_in_fn=cast_in)
     return mapped(self.module, *args, **kwargs)
 
+  @nn.nowrap
   def _intercepted(self, call: _Call, fn: Callable[..., Any], module: Any,
                    args: tuple, kwargs: dict) -> Any:
     with nn.intercept_methods(_interceptor(call)):
       return fn(module, *args, **kwargs)
 
+  @nn.nowrap
   def _discover(self, method: Any, args: tuple, kwargs: dict
                 ) -> tuple[dict[Path, type], set[Path]]:
     """Each module path's class, from one abstract trace (memoised)."""
@@ -522,7 +670,6 @@ class MixedPrecision(nn.Module):
         classes, boundaries = table[key]
         return dict(classes), set(boundaries)
     fn = _call_method(method)
-    call = _Call(self.rule_set, (), {}, False)
     rng_names = list(getattr(self.scope, "rngs", {}) or {})
     module = self.module.clone(parent=None)
 
@@ -535,13 +682,19 @@ class MixedPrecision(nn.Module):
     # Arrays are traced; everything else (flags such as `train`) stays a
     # Python value, as the model's own code expects.
     arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
-    jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
+    _STATE.depth += 1
+    try:
+      call = _Call(self.rule_set, (), {}, False)
+      jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
+    finally:
+      _STATE.depth -= 1
     self.rule_set.check_strict(call.classes)
     if table is not None:
       with self.memo.lock:
         table[key] = (dict(call.classes), set(call.boundaries))
     return call.classes, call.boundaries
 
+  @nn.nowrap
   def init(self, rngs: Any, *args: Any, method: Any = None,
            **kwargs: Any) -> Any:
     """Like ``flax.linen.Module.init``; params come back in their param dtypes.
@@ -557,6 +710,7 @@ class MixedPrecision(nn.Module):
     """
     return super().init(rngs, *args, method=self._method(method), **kwargs)
 
+  @nn.nowrap
   def init_with_output(self, rngs: Any, *args: Any, method: Any = None,
                        **kwargs: Any) -> Any:
     """Like ``flax.linen.Module.init_with_output``, under the policy.
@@ -573,6 +727,7 @@ class MixedPrecision(nn.Module):
     return super().init_with_output(rngs, *args, method=self._method(method),
                                     **kwargs)
 
+  @nn.nowrap
   def apply(self, variables: Any, *args: Any, method: Any = None,
             **kwargs: Any) -> Any:
     """Like ``flax.linen.Module.apply``, under the policy.
@@ -587,6 +742,7 @@ class MixedPrecision(nn.Module):
     Returns:
       What the wrapped module's ``apply`` returns.
     """
+    method = _as_method(method)
     if self.cache_traces:
       out = _traced_apply(self, variables, args, method, kwargs)
       if out is not _UNCACHED:
@@ -594,17 +750,20 @@ class MixedPrecision(nn.Module):
     return super().apply(variables, *args, method=self._method(method),
                          **kwargs)
 
+  @nn.nowrap
   def _method(self, method: Any) -> Callable[..., Any]:
     if getattr(method, "_jmp_lite_run", False):
       return method  # Already translated (Module.init calls init_with_output).
+    method = _as_method(method)
     _call_method(method)  # Validates.
 
     def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
-      return mp._run(method, a, k)
+      return _policy_call(method)(mp, *a, **k)
 
     run._jmp_lite_run = True  # type: ignore[attr-defined]
     return run
 
+  @nn.nowrap
   def policy_for(self, variables: Any, *args: Any, method: Any = None,
                  **kwargs: Any) -> dict[str, str]:
     """The policy of every module path, as ``{"a/b": "p=..,c=..,o=.."}``.
@@ -618,6 +777,8 @@ class MixedPrecision(nn.Module):
     Returns:
       A dict from module path (``""`` for the root) to policy string.
     """
+    method = _as_method(method)
+
     def discover(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
       return mp._discover(method, a, k)
 
@@ -724,7 +885,9 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   Pass it as ``attention_fn=`` to ``nn.MultiHeadDotProductAttention`` (or use
   it in your own attention) to keep the numerically sensitive part of
   attention in float32 while the projections run in half precision. The
-  weighted sum of values runs in the values' dtype.
+  weighted sum of values runs in the values' dtype. The float32 part runs in
+  a :func:`jmp_lite.float32_region`, so :func:`dtype_report` shows its
+  float32 matmul without flagging it.
 
   Args:
     query: ``[..., q, heads, depth]``.
@@ -749,9 +912,12 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   kwargs.pop("precision", None)
   kwargs.pop("module", None)
   kwargs.pop("force_fp32_for_softmax", None)
-  weights = nn.dot_product_attention_weights(
-      query.astype(jnp.float32), key.astype(jnp.float32),
-      bias=bias, mask=mask, dtype=jnp.float32, **kwargs)
+  # A named float32 region: `dtype_report` reads it as deliberate (no
+  # mismatch) and `jmp_lite.autocast` leaves it as written.
+  with float32_region():
+    weights = nn.dot_product_attention_weights(
+        query.astype(jnp.float32), key.astype(jnp.float32),
+        bias=bias, mask=mask, dtype=jnp.float32, **kwargs)
   return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
 
 
@@ -808,9 +974,16 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
         "dtype_report expects a jmp_lite.linen.MixedPrecision (from"
         f" mixed_precision(...)), got {type(model).__name__}")
   recorder = _report.Recorder()
+  method = _as_method(method)
 
   def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
-    return mp._run(method, a, k, recorder)
+    # Nested policies inside record their modules here too.
+    outer = _STATE.report
+    _STATE.report = (recorder, tuple(mp.path), _STATE.depth)
+    try:
+      return _policy_call(method, recorder)(mp, *a, **k)
+    finally:
+      _STATE.report = outer
 
   def f(v: Any, a: tuple, k: dict) -> Any:
     return nn.Module.apply(model, v, *a, method=run, mutable=True, **k)

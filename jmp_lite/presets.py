@@ -41,6 +41,12 @@
      - pure fp16
      - ``model.half()``
 
+:meth:`Preset.wrap` takes a ``flax.linen`` or a ``flax.nnx`` model
+(:func:`jmp_lite.linen.mixed_precision` or :func:`jmp_lite.nnx.mixed_precision`
+under the preset's policy and rules); :meth:`Preset.optimizer` is plain optax,
+for either (``nnx.Optimizer(model, preset.optimizer(tx), wrt=nnx.Param)``).
+Equinox and Haiku models take ``preset.policy`` and their own rules.
+
 Bytes per parameter of params + optimizer state with Adam: ``O0``/``O1`` 12
 (4 + 8), ``O2`` 14 (2 + 4 master + 8), ``O3`` 8 (2 + 2 compensation + 2 + 2
 moments), ``O3`` with ``compensation="stochastic"`` 6, and the old pure half
@@ -65,8 +71,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite import nnx as _nnx
 from jmp_lite.linen import mixed_precision, MixedPrecision, Rule
 from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from jmp_lite.low_precision import (
@@ -78,12 +86,17 @@ from jmp_lite.master import master_weights
 from jmp_lite.policy import Policy
 from jmp_lite.transforms import loss_scaled
 
-__all__ = ["MATMUL_LAYERS", "O3_STATE_DTYPE", "Preset", "preset"]
+__all__ = ["MATMUL_LAYERS", "NNX_MATMUL_LAYERS", "O3_STATE_DTYPE", "Preset",
+           "preset"]
 
 MATMUL_LAYERS: tuple[type, ...] = (
     nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal,
     nn.Einsum)
-"""The matmul/convolution-heavy layers ``O1`` runs in half precision."""
+"""The matmul/convolution-heavy linen layers ``O1`` runs in half precision."""
+
+NNX_MATMUL_LAYERS: tuple[type, ...] = (
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum)
+"""The same for ``flax.nnx`` models."""
 
 O3_STATE_DTYPE: np.dtype = np.dtype(jnp.bfloat16)
 """The dtype ``O3``'s compensated recipes store optimizer state in.
@@ -110,6 +123,7 @@ class Preset:
       updates, ``"kahan"`` (:func:`~jmp_lite.kahan_summation`),
       ``"stochastic"`` (:func:`~jmp_lite.stochastic_rounding`) or ``None``
       (plain rounding to nearest, with moments computed in half precision).
+    nnx_rules: ``rules`` for ``flax.nnx`` models (nnx layer classes).
   """
 
   name: str
@@ -119,23 +133,48 @@ class Preset:
   master: bool
   half: np.dtype
   compensation: str | None = None
+  nnx_rules: tuple[Rule, ...] = ()
 
-  def wrap(self, module: nn.Module, *, rules: Sequence[Any] = (),
-           strict: bool = False, enabled: bool = True) -> MixedPrecision:
-    """Puts ``module`` under this preset (your ``rules`` come first).
+  def wrap(self, module: nn.Module | nnx.Module, *, rules: Sequence[Any] = (),
+           strict: bool = False, enabled: bool = True
+           ) -> MixedPrecision | _nnx.MixedPrecision:
+    """Puts a linen or nnx model under this preset (your ``rules`` first).
 
     Args:
-      module: a ``flax.linen`` module.
-      rules: extra rules, matched before the preset's own.
+      module: a ``flax.linen`` module, or a ``flax.nnx`` module (not
+        modified: the wrapper holds a copy, see :mod:`jmp_lite.nnx`).
+      rules: extra rules, matched before the preset's own; with classes of
+        the model's framework.
       strict: as for :func:`jmp_lite.linen.mixed_precision`.
       enabled: ``False`` runs everything in float32.
 
     Returns:
-      A :class:`~jmp_lite.linen.MixedPrecision`.
+      A :class:`jmp_lite.linen.MixedPrecision` or
+      :class:`jmp_lite.nnx.MixedPrecision`.
+
+    Raises:
+      TypeError: for anything else (an Equinox or Haiku model takes
+        ``preset.policy`` with its own adapter).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jmp_lite.nnx, jmp_lite.presets
+      >>> o1 = jmp_lite.presets.preset("O1", half="bf16")
+      >>> model = o1.wrap(nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+      ...                                nnx.LayerNorm(4, rngs=nnx.Rngs(0))))
+      >>> rows = jmp_lite.nnx.dtype_report(model, jnp.ones((1, 3))).rows
+      >>> {r.path: (r.stored, r.computed) for r in rows if r.stored != "-"}
+      {'layers/0': ('float32', 'bfloat16'), 'layers/1': ('float32', '-')}
     """
-    return mixed_precision(module, self.policy, rules=tuple(rules) + self.rules,
-                           float32_norms=self.float32_norms, strict=strict,
-                           enabled=enabled)
+    options = dict(float32_norms=self.float32_norms, strict=strict,
+                   enabled=enabled)
+    if isinstance(module, nnx.Module):
+      return _nnx.mixed_precision(
+          module, self.policy, rules=tuple(rules) + self.nnx_rules, **options)
+    # linen's own TypeError names anything that is not a linen model.
+    return mixed_precision(module, self.policy,
+                           rules=tuple(rules) + self.rules, **options)
 
   def loss_scale(self) -> LossScale:
     """Dynamic scaling (from 2**15) when the half dtype is float16, else none.
@@ -208,6 +247,10 @@ def preset(level: str, half: Any = None, *,
            compensation: str | None = "auto") -> Preset:
   """Returns the named preset.
 
+  :meth:`Preset.wrap` puts a Flax model (linen or nnx) under it;
+  :meth:`Preset.optimizer` is plain optax. An Equinox or Haiku model takes
+  ``preset.policy`` with its own adapter and rules.
+
   ``O3`` keeps params in the half dtype and, by default, trains them with
   Kahan compensation and bfloat16 Adam moments computed in float32
   (see :meth:`Preset.optimizer`): 8 bytes per parameter against ``O2``'s
@@ -259,8 +302,10 @@ def preset(level: str, half: Any = None, *,
   if name == "O0":
     return Preset(name, Policy(f32, f32, f32), (), True, False, half)
   if name == "O1":
-    rules = (Rule(MATMUL_LAYERS, Policy(f32, half, half)),)
-    return Preset(name, Policy(f32, f32, f32), rules, True, False, half)
+    matmuls = Policy(f32, half, half)
+    return Preset(name, Policy(f32, f32, f32),
+                  (Rule(MATMUL_LAYERS, matmuls),), True, False, half,
+                  nnx_rules=(Rule(NNX_MATMUL_LAYERS, matmuls),))
   if name == "O2":
     return Preset(name, Policy(half, half, f32), (), True, True, half)
   return Preset(name, Policy(half, half, half), (), False, False, half,

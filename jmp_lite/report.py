@@ -9,6 +9,9 @@ the innermost module whose scope it was traced in, and its operand dtypes are
 what the module *computed* in — facts, not the policy's intent. A module whose
 matmuls ran in another dtype than its policy's compute dtype is flagged (its
 own code casts, or a layer's field overrides what jmp_lite can reach).
+Float32 matmuls traced inside a :func:`jmp_lite.float32_region` of the
+module's own code are deliberate (``dot_product_attention_fp32`` runs its
+logits there) and not flagged.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite.autocasting import _FLOAT32_SCOPE
 from jmp_lite.diagnostics import tree_bytes
 
 __all__ = ["DtypeReport", "ReportRow"]
@@ -34,6 +38,10 @@ Path = tuple[str, ...]
 _MATMULS = ("dot_general", "conv_general_dilated")
 _TOKEN = "jmp_lite_module_"
 _TOKEN_RE = re.compile(_TOKEN + r"(\d+)")
+# A scope name in a name stack, however transforms wrap it
+# (`transpose(jvp(jmp_lite_float32))`).
+_FLOAT32_RE = re.compile(r"(?<![\w])" + _FLOAT32_SCOPE + r"(?![\w])")
+_F32_NAME = np.dtype(np.float32).name
 
 
 def _float_dtypes(tree: Any) -> str:
@@ -182,9 +190,28 @@ class Recorder:
 
   def __init__(self) -> None:
     self.modules: dict[Path, _Module] = {}
+    self.prefix: Path = ()
+
+  def under(self, prefix: Path) -> Recorder:
+    """This recorder, for a nested policy's modules at ``prefix``.
+
+    The nested policy records its modules by their paths from its own root;
+    they become rows of this report, at their paths from this one's.
+
+    Args:
+      prefix: the nested model's path from this recorder's root.
+
+    Returns:
+      A recorder writing into this one.
+    """
+    nested = Recorder()
+    nested.modules = self.modules
+    nested.prefix = self.prefix + tuple(prefix)
+    return nested
 
   def _module(self, path: Path, cls: type, policy: Any,
               fp8: Any = None) -> _Module:
+    path = self.prefix + tuple(path)
     if path not in self.modules:
       self.modules[path] = _Module(len(self.modules), cls, policy, fp8)
     return self.modules[path]
@@ -241,19 +268,24 @@ class Recorder:
     ops = _matmul_dtypes_by_scope(closed_jaxpr)
     rows = []
     for path, m in self.modules.items():
-      computed = ops.get(m.token, set())
+      traced = ops.get(m.token, set())
+      computed = {name for name, _ in traced}
       computed_names = ",".join(sorted(computed)) or "-"
       expected = {np.dtype(m.policy.compute_dtype).name}
       if m.fp8 is not None:
         expected |= {np.dtype(m.fp8.fwd_dtype).name,
                      np.dtype(m.fp8.bwd_dtype).name}
+      # Float32 that the module's code asked for by name is not a mismatch.
+      checked = {name for name, region in traced
+                 if not (region and name == _F32_NAME)}
       note = ""
-      if computed and not computed <= expected:
+      if checked and not checked <= expected:
         note = (f"matmuls ran in {computed_names} but the policy says"
                 f" {','.join(sorted(expected))}: this module's own code"
                 " chooses the dtype (an astype, a hard-coded dtype or its own"
                 " dot_general) and jmp_lite cannot change it; make it explicit"
-                " with a rule, or remove the cast")
+                " with a rule or, for deliberate float32, a"
+                " jmp_lite.float32_region(); or remove the cast")
       own = stored.get(path, {})
       rows.append(ReportRow(
           path="/".join(path), cls=m.cls.__name__, policy=str(m.policy),
@@ -271,7 +303,8 @@ def _join(names: set[str]) -> str:
   return ",".join(parts) if parts else "-"
 
 
-def _matmul_dtypes_by_scope(closed_jaxpr: Any) -> dict[int, set[str]]:
+def _matmul_dtypes_by_scope(closed_jaxpr: Any
+                            ) -> dict[int, set[tuple[str, bool]]]:
   """Operand dtypes of every matmul/convolution, by innermost module token.
 
   Walks sub-jaxprs (``jit``, ``scan``, ``cond``, ``remat``, custom
@@ -282,18 +315,32 @@ def _matmul_dtypes_by_scope(closed_jaxpr: Any) -> dict[int, set[str]]:
     closed_jaxpr: a traced jaxpr.
 
   Returns:
-    ``{token: {"bfloat16", ...}}``; ops outside any module scope are under
-    ``-1``.
+    ``{token: {("bfloat16", in_region), ...}}``, ``in_region`` telling
+    whether the op was traced in a :func:`jmp_lite.float32_region` inside
+    that module's scope; ops outside any module scope are under ``-1``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> from jmp_lite.report import _matmul_dtypes_by_scope
+    >>> def f(x):
+    ...   with jmp_lite.float32_region():
+    ...     return x @ x
+    >>> _matmul_dtypes_by_scope(jax.make_jaxpr(f)(jnp.ones((2, 2))))
+    {-1: {('float32', True)}}
   """
-  out: dict[int, set[str]] = {}
+  out: dict[int, set[tuple[str, bool]]] = {}
 
   def walk(jaxpr: Any, prefix: str) -> None:
     for eqn in jaxpr.eqns:
       stack = prefix + "/" + str(eqn.source_info.name_stack)
       if eqn.primitive.name in _MATMULS:
-        tokens = _TOKEN_RE.findall(stack)
-        token = int(tokens[-1]) if tokens else -1
-        names = {np.dtype(v.aval.dtype).name for v in eqn.invars[:2]}
+        tokens = list(_TOKEN_RE.finditer(stack))
+        token = int(tokens[-1].group(1)) if tokens else -1
+        # Only a region inside the module's own scope is its own choice.
+        inner = stack[tokens[-1].end():] if tokens else stack
+        region = _FLOAT32_RE.search(inner) is not None
+        names = {(np.dtype(v.aval.dtype).name, region)
+                 for v in eqn.invars[:2]}
         out.setdefault(token, set()).update(names)
       for sub in jex.jaxprs_in_params(eqn.params):
         walk(sub, stack)

@@ -17,6 +17,7 @@ import jmp_lite
 from jmp_lite import linen as jl
 from jmp_lite.presets import preset
 from tests.conftest import assert_dtype
+from tests.models.harness import matmul_dtypes
 
 
 class ResBlock(nn.Module):
@@ -376,7 +377,6 @@ def test_cast_by_path_for_plain_pytrees():
 # -- Issue 9: models as users write them -------------------------------------
 
 def _dot_conv_dtypes(fn, *args):
-  from tests.models.harness import matmul_dtypes
   return {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(fn)(*args))}
 
 
@@ -800,3 +800,206 @@ def test_uncacheable_calls_run_as_before():
   assert len(calls) == n + 1
   with pytest.raises(TypeError, match=r"cache_traces must be a bool, got 1"):
     jl.mixed_precision(Counted(_Calls()), "bf16", cache_traces=1)
+
+
+# -- Flax's own tools on the wrapper ------------------------------------------
+
+class MLP(nn.Module):
+  """Written as Flax's examples write it: ``dtype=jnp.float32`` on layers."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(4, dtype=jnp.float32)(x))
+    return nn.Dense(3, dtype=jnp.float32)(x)
+
+
+def test_tabulate_shows_the_model_under_the_policy():
+  """``model.tabulate`` raised a bare AssertionError (an unbound wrapper)."""
+  model = jl.mixed_precision(MLP(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  table = model.tabulate(jax.random.key(0), x,
+                         console_kwargs={"width": 200})
+  table = re.sub(r"\x1b\[[0-9;]*m", "", table)  # Rich's colours.
+  rows = {line.split("│")[1].strip(): line for line in table.splitlines()
+          if line.startswith("│") and line.split("│")[2].strip()}
+  # The root row is the model's, as for the bare model: the caller's
+  # inputs, the policy's output dtype.
+  assert re.search(r"MLP\s*│\s*float32\[2,3\]\s*│\s*float32\[2,3\]", rows[""])
+  assert re.search(r"Dense\s*│\s*bfloat16\[2,3\]\s*│\s*bfloat16\[2,4\]",
+                   rows["Dense_0"])
+  assert "Total Parameters: 31" in table
+
+
+def test_init_and_apply_inside_intercept_methods():
+  """An interceptor saw the wrapper's unbound ``init``/``apply`` (and its
+  bookkeeping methods); one reading ``context.module.path`` raised."""
+  model = jl.mixed_precision(MLP(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  seen = []
+
+  def interceptor(next_fun, args, kwargs, context):
+    seen.append((type(context.module).__name__, context.method_name,
+                 "/".join(context.module.path)))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    variables = model.init(jax.random.key(0), x)
+    out = jax.jit(model.apply)(variables, x)
+  assert_dtype(out, jnp.float32)
+  wrapper_calls = {m for n, m, _ in seen if n == "MixedPrecision"}
+  assert wrapper_calls == {"setup", "jmp_lite_policy"}
+  assert ("MLP", "__call__", "") in seen
+  assert ("Dense", "__call__", "Dense_1") in seen
+  # The policy still runs inside someone else's interceptor.
+  with nn.intercept_methods(interceptor):
+    ops = _dot_conv_dtypes(lambda v: model.apply(v, x), variables)
+  assert ops == {(np.dtype(jnp.bfloat16),) * 2}
+
+
+class AutoEncoder(nn.Module):
+  """Setup-style, with methods other than ``__call__`` (as Flax's VAE)."""
+
+  def setup(self):
+    self.encoder = nn.Dense(4, dtype=jnp.float32)
+    self.decoder = nn.Dense(3, dtype=jnp.float32)
+
+  def __call__(self, x):
+    return self.decode(self.encode(x))
+
+  def encode(self, x):
+    return nn.relu(self.encoder(x))
+
+  def decode(self, z):
+    return self.decoder(z)
+
+
+def test_wrapped_models_methods_through_the_wrapper_as_a_submodule():
+  """``self.backbone.encode(x)`` raised AttributeError: the wrapper only had
+  ``__call__``. Now every method of the model runs under its policy."""
+
+  class Setup(nn.Module):
+    def setup(self):
+      self.backbone = jl.mixed_precision(AutoEncoder(), "p=f32,c=bf16,o=bf16")
+      self.head = nn.Dense(2, dtype=jnp.float32)
+
+    def __call__(self, x):
+      return self.head(self.backbone(x))
+
+    def features(self, x):
+      return self.head(self.backbone.encode(x)[:, :3])
+
+  class Compact(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      backbone = jl.mixed_precision(AutoEncoder(), "p=f32,c=bf16,o=bf16")
+      z = backbone.encode(x)
+      return nn.Dense(2, dtype=jnp.float32)(backbone.decode(z))
+
+  x = jnp.ones((2, 3))
+  bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+  for outer, method, backbone in ((Setup(), "features", "backbone"),
+                                  (Compact(), None, "AutoEncoder_0")):
+    variables = outer.init(jax.random.key(0), x, method=method)
+    assert set(variables["params"][backbone]) >= {"encoder"}
+    for leaf in jax.tree.leaves(variables):
+      assert_dtype(leaf, jnp.float32)
+    fn = lambda v, outer=outer, method=method: outer.apply(  # noqa: E731
+        v, x, method=method)
+    ops = {stack.rsplit("/", 1)[-1]: d for _, d, stack
+           in matmul_dtypes(jax.make_jaxpr(fn)(variables))}
+    # The backbone's matmuls ran in bfloat16, the outer model's in float32.
+    want = {"encoder": (bf16, bf16), "head": (f32, f32)} if method else {
+        "encoder": (bf16, bf16), "decoder": (bf16, bf16),
+        "Dense_0": (f32, f32)}
+    assert ops == want
+    assert_dtype(fn(variables), jnp.float32)
+  # Flax's capture_intermediates records the backbone's output once, as for
+  # the bare model (the wrapper's own `__call__` was recorded too).
+  variables = Setup().init(jax.random.key(0), x)
+  _, state = Setup().apply(variables, x, capture_intermediates=True,
+                           mutable=["intermediates"])
+  assert len(state["intermediates"]["backbone"]["__call__"]) == 1
+  # At the top, `method=model.encode` is Flax's idiom and means "encode".
+  model = jl.mixed_precision(AutoEncoder(), "p=f32,c=bf16,o=f32")
+  variables = model.init(jax.random.key(0), x)
+  assert _dot_conv_dtypes(
+      lambda v: model.apply(v, x, method=model.encode), variables) == {
+          (bf16, bf16)}
+  assert_dtype(model.apply(variables, x, method=model.encode), jnp.float32)
+  with pytest.raises(AttributeError, match="no attribute"):
+    model.enocde  # noqa: B018
+
+
+def test_report_accepts_the_float32_attention_helper_not_user_casts():
+  """``dot_product_attention_fp32`` (float32 on purpose) was flagged as a
+  mismatch, like a user's own cast; only the user's cast should be."""
+
+  class SelfAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+      mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+      return nn.MultiHeadDotProductAttention(
+          num_heads=2, attention_fn=jl.dot_product_attention_fp32,
+          dropout_rate=0.1, deterministic=not train, dtype=jnp.float32)(
+              x, x, mask=mask)
+
+  class HandRolled(nn.Module):
+    """Calls the helper, and casts to float32 itself for another matmul."""
+
+    @nn.compact
+    def __call__(self, x):
+      q = x.reshape(x.shape[:2] + (2, -1))
+      y = jl.dot_product_attention_fp32(q, q, q).reshape(x.shape)
+      w = self.param("w", nn.initializers.ones, (x.shape[-1], x.shape[-1]))
+      return x + y.astype(jnp.float32) @ w.astype(jnp.float32)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+      x = SelfAttention(name="attn")(x, train)
+      x = HandRolled(name="hand")(x)
+      return CastsItself(name="own_cast")(x)
+
+  model = jl.mixed_precision(Model(), "p=f32,c=bf16,o=f32")
+  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  variables = model.init(rngs, x)
+  report = jl.dtype_report(model, variables, x,
+                           rngs={"dropout": jax.random.key(2)})
+  rows = _rows(report)
+  # The facts are still shown: the helper's logits ran in float32.
+  assert rows["attn/MultiHeadDotProductAttention_0"].computed == (
+      "bfloat16,float32")
+  assert rows["attn/MultiHeadDotProductAttention_0/query"].computed == (
+      "bfloat16")
+  assert [r.path for r in report.mismatches()] == ["hand", "own_cast"]
+  assert "float32_region" in rows["own_cast"].note
+
+
+def test_nested_policy_in_setup_reports_its_own_modules():
+  """A policy nested in a parent under another policy: the outer policy saw
+  the inner one's discovery trace as its own modules (``encoder`` at the
+  top, inputs cast to bfloat16) and the report flagged the inner float16
+  matmuls as the outer root's own code."""
+
+  class Outer(nn.Module):
+    def setup(self):
+      self.backbone = jl.mixed_precision(AutoEncoder(), "f16")
+      self.head = nn.Dense(2, dtype=jnp.float32)
+
+    def __call__(self, x):
+      return self.head(self.backbone(x))
+
+  model = jl.mixed_precision(Outer(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  report = jl.dtype_report(model, variables, x)
+  rows = _rows(report)
+  assert set(rows) == {"", "backbone", "backbone/encoder", "backbone/decoder",
+                       "head"}
+  assert rows["backbone/encoder"].computed == "float16"
+  assert rows["backbone/encoder"].inputs == "float16"
+  assert rows["backbone"].policy == "p=f16,c=f16,o=f16"
+  assert rows["head"].computed == "bfloat16" and rows[""].computed == "-"
+  assert not report.mismatches()
+  assert set(model.policy_for(variables, x)) == {"", "backbone", "head"}

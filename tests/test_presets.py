@@ -1,4 +1,4 @@
-"""Tests for jmp_lite.presets: the O3 preset's low-precision recipes."""
+"""Tests for jmp_lite.presets: the O3 preset's recipes, presets on nnx."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jmp_lite
 from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.presets import preset
 from tests.conftest import as_xla_gpu_simplifies, assert_dtype
+from tests.models.harness import matmul_dtypes
 from tests.models.linen_models import MlpBlock
 
 
@@ -154,3 +156,37 @@ def test_o3_on_a_flax_model_still_compensates_where_xla_deletes_casts(
   # Updates of 1e-4 are below half an ulp for most params: only a working
   # compensation moves them, under either compiler.
   assert moved["xla:gpu"] >= 0.9 * moved["xla:cpu"] > 0, moved
+
+
+class NnxMlp(nnx.Module):
+  """As Flax's nnx examples write it: ``dtype=jnp.float32`` on each layer."""
+
+  def __init__(self, rngs):
+    self.fc = nnx.Linear(8, 16, dtype=jnp.float32, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, dtype=jnp.float32, rngs=rngs)
+    self.out = nnx.Linear(16, 4, dtype=jnp.float32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.gelu(self.norm(self.fc(x))))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_presets_wrap_nnx_models(level):
+  """``preset(...).wrap`` raised TypeError on an nnx model (linen only)."""
+  p = preset(level, half="bf16")
+  model = p.wrap(NnxMlp(nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(0), (2, 8))
+  half, f32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+  stored = half if level in ("O2", "O3") else f32
+  assert_dtype(model.fc.kernel[...], stored)
+  assert_dtype(model.norm.scale[...], half if level == "O3" else f32)
+  computed = f32 if level == "O0" else half
+  ops = {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(lambda x: model(x))(x))}
+  assert ops == {(computed, computed)}
+  # The preset's optimizer steps the nnx model, its dtypes kept.
+  opt = nnx.Optimizer(model, p.optimizer(optax.adam(1e-3)), wrt=nnx.Param)
+  before = model.out.kernel[...]
+  grads = nnx.grad(lambda m: m(x).astype(jnp.float32).mean())(model)
+  opt.update(model, grads)
+  assert_dtype(model.fc.kernel[...], stored)
+  assert not np.array_equal(model.out.kernel[...], before)
