@@ -17,8 +17,9 @@ a copy made for that call, in which
   ``lax.scan`` carry must: Equinox's ``GRUCell``/``LSTMCell``, and any
   module called as ``cell(x, ..., hidden)`` whose output is shaped like its
   last argument (and not like its first: ``attention(x, x, x)`` is no
-  cell); a cell of your own whose input and hidden share a shape needs a
-  rule with ``o=`` the carry's dtype;
+  cell) and that no rule of its own matches (a rule's ``o=`` wins); a cell
+  of your own whose input and hidden share a shape needs a rule with ``o=``
+  the carry's dtype;
 * ``eqx.nn.State`` arguments (batch statistics) pass through uncast.
 
 Rules select modules by class (``(eqx.nn.LayerNorm, "f32")``) or by path
@@ -179,7 +180,9 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
   finally:
     if not slot.path:
       slot.state.root_depth -= 1
-  hidden = _hidden(slot.cls, out, args, kwargs) if slot.path else None
+  # A rule's own output dtype wins over the cell check (see _hidden).
+  hidden = (_hidden(slot.cls, out, args, kwargs)
+            if slot.path and slot.resolved.rule is None else None)
   if hidden is not None:
     out = _rules.keep_dtypes(out, hidden)
   else:
@@ -209,6 +212,24 @@ class _ReadThrough(eqx.Module):
     if inner is None or name.startswith("__"):
       raise AttributeError(name)
     return getattr(inner, name)
+
+  # Containers (``eqx.nn.Sequential``) are indexed and iterated by model
+  # code; the items are the stand-ins of their layers.
+  def __getitem__(self, index: Any) -> Any:
+    return self.inner[index]  # pyright: ignore[reportIndexIssue]
+
+  def __iter__(self) -> Any:
+    return iter(self.inner)  # pyright: ignore[reportCallIssue,reportArgumentType]
+
+  def __len__(self) -> int:
+    return len(self.inner)  # pyright: ignore[reportArgumentType]
+
+  def __bool__(self) -> bool:
+    return True  # A module, not an empty container.
+
+  def __reduce_ex__(self, protocol: Any) -> Any:
+    # Pickled inside a call, a layer is the layer as its code reads it.
+    return self.inner.__reduce_ex__(protocol)
 
 
 class _Boundary(_ReadThrough):

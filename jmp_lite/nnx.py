@@ -20,12 +20,10 @@ model's own code on a private copy made for that call, in which:
 * nnx objects passed as arguments (``Rngs``, caches, modules) are the
   caller's own objects, never copies.
 
-A submodule called on its own — ``wrapped.encoder(x)``,
-``wrapped.embed.attend(h)`` — runs the same way (its subtree copied, under
-the policy its path resolves to, its changed variables written back), never
-past the policy: the wrapper's submodules are same-named subclasses of their
-classes whose methods do this (``isinstance`` holds; they pickle as their
-classes' instances do).
+The policy governs calls of the wrapper: a submodule reached through it
+and called on its own (``wrapped.encoder(x)``) runs as the bare module
+would, in its stored dtypes. Call the model's own methods through the
+wrapper instead (``wrapped.encode(x)``).
 
 Afterwards the variables the call changed (batch statistics, RNG counts,
 caches, ``sow``-n intermediates) are written back into the wrapped model in
@@ -60,7 +58,6 @@ NORM_LAYERS: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.RMSNorm,
 _CONTAINERS: tuple[type, ...] = (nnx.List, nnx.Dict)
 _CONFIG = "_jmp_lite"
 _SLOT = "_jmp_lite_call"
-_SUB = "_jmp_lite_sub"
 _REPORT = "_jmp_lite_report"
 
 Path = tuple[str, ...]
@@ -76,22 +73,6 @@ class _Config:
   cls: type
   rule_set: _rules.RuleSet
   remat_norms: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class _SubConfig:
-  """Where a submodule of a wrapped model sits (static, in the graphdef).
-
-  Attributes:
-    config: the wrapper's configuration.
-    path: the submodule's path from the wrapped model.
-    ancestors: the classes of the modules above it, by path (root first),
-      which its rules inherit from.
-  """
-
-  config: _Config
-  path: Path
-  ancestors: tuple[tuple[Path, type], ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -139,7 +120,7 @@ def _modules(root: nnx.Module) -> dict[Path, nnx.Module]:
 
 
 def _classes(modules: dict[Path, nnx.Module], cls: type) -> dict[Path, type]:
-  return {p: (cls if not p else _original(type(m))) for p, m in modules.items()}
+  return {p: (cls if not p else type(m)) for p, m in modules.items()}
 
 
 def _owner(path: Path, modules: dict[Path, Any]) -> Path:
@@ -199,77 +180,6 @@ def _run_method(fn: Callable[..., Any], self: nnx.Module, args: tuple,
            if isinstance(v, nnx.Param)}
     recorder.call(slot.path, cls, policy, (cast_args, cast_kwargs), out, own)
   return out
-
-
-_ORIGINAL = "_jmp_lite_original"
-
-
-def _original(cls: type) -> type:
-  """The class a submodule of a wrapped model had before it was guarded."""
-  return vars(cls).get(_ORIGINAL, cls)
-
-
-def _unpickle_guarded(cls: type) -> nnx.Module:
-  return object.__new__(_guarded_class(cls))
-
-
-@functools.cache
-def _guarded_class(cls: type) -> type:
-  """A subclass of ``cls`` whose methods, called from outside a call of the
-  wrapper (``wrapped.encoder(x)``), run under the wrapper's policy.
-
-  The class of the submodules a :class:`MixedPrecision` holds, so that no
-  method of the model runs past the policy. It keeps ``cls``'s name and
-  module (``repr``, ``isinstance`` and rules by class are unchanged) and
-  pickles as ``cls``'s instances do.
-  """
-
-  def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def method(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-      sub: _SubConfig | None = vars(self).get(_SUB)
-      if sub is None:  # Unguarded by hand: nothing to run it under.
-        return fn(self, *args, **kwargs)
-      return _run_tree(self, sub.config, sub.path, dict(sub.ancestors), name,
-                       args, kwargs)
-
-    return method
-
-  def reduce_ex(self: nnx.Module, protocol: Any) -> Any:
-    # Pickle the class by its original's importable name.
-    original: Any = cls.__reduce_ex__  # Unbound: cls's own, or object's.
-    reduced = original(self, protocol)
-    return (_unpickle_guarded, (cls,), *reduced[2:])
-
-  namespace: dict[str, Any] = {
-      name: wrap(name, fn) for name, fn in _public_methods(cls).items()}
-  namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
-                   __reduce_ex__=reduce_ex, **{_ORIGINAL: cls})
-  kwds = {}
-  if hasattr(cls, "_pytree__is_pytree"):
-    kwds["pytree"] = cls._pytree__is_pytree
-  return types.new_class(cls.__name__, (cls,), kwds,
-                         lambda ns: ns.update(namespace))
-
-
-def _guard(modules: dict[Path, nnx.Module], config: _Config) -> None:
-  """Makes the submodules of a wrapped model run under its policy when
-  called on their own (see :func:`_guarded_class`)."""
-  classes = _classes(modules, config.cls)
-  for path, module in modules.items():
-    if not path or isinstance(module, (MixedPrecision,) + _CONTAINERS):
-      continue
-    ancestors = tuple((path[:n], classes[path[:n]]) for n in range(len(path))
-                      if path[:n] in classes)
-    object.__setattr__(module, _SUB, _SubConfig(config, path, ancestors))
-    object.__setattr__(module, "__class__", _guarded_class(classes[path]))
-
-
-def _unguard(modules: dict[Path, nnx.Module]) -> None:
-  """Gives a copied model's submodules their own classes back."""
-  for module in modules.values():
-    vars(module).pop(_SUB, None)
-    object.__setattr__(module, "__class__", _original(type(module)))
 
 
 @functools.cache
@@ -361,33 +271,16 @@ def _run(self: MixedPrecision, method: str, args: tuple, kwargs: dict,
   if recorder is None:
     # A nested policy inside a model a report traces records there too.
     recorder = vars(self).get(_REPORT)
-  return _run_tree(self, vars(self)[_CONFIG], (), {}, method, args, kwargs,
-                   recorder)
-
-
-def _run_tree(self: nnx.Module, config: _Config, base: Path,
-              ancestors: dict[Path, type], method: str, args: tuple,
-              kwargs: dict, recorder: _report.Recorder | None = None) -> Any:
-  """Runs ``method`` of ``self`` under ``config``'s policy.
-
-  ``self`` is the wrapper (``base`` is ``()``) or one of the wrapped model's
-  submodules, at ``base`` below modules of the classes ``ancestors``.
-  """
+  config: _Config = vars(self)[_CONFIG]
   graphdef, state = nnx.split(self)
   flat = list(nnx.to_flat_state(state))
   # Copy every variable, so the call's own mutations stay in the copy until
   # they are written back (nnx's split/merge would share variable objects).
   copies = {p: jax.tree.map(lambda x: x, v) for p, v in flat}
   tmp = nnx.merge(graphdef, nnx.from_flat_state(list(copies.items())))
+  object.__setattr__(tmp, "__class__", config.cls)
   modules = _modules(tmp)
-  if base:
-    classes = {**ancestors, **{base + p: _original(type(m))
-                               for p, m in modules.items()}}
-  else:
-    object.__setattr__(tmp, "__class__", config.cls)
-    classes = _classes(modules, config.cls)
-  resolved = {p[len(base):]: r for p, r in config.rule_set.resolve(
-      classes).items() if p[:len(base)] == base}
+  resolved = config.rule_set.resolve(_classes(modules, config.cls))
 
   given = {}
   for path, var in copies.items():
@@ -404,17 +297,16 @@ def _run_tree(self: nnx.Module, config: _Config, base: Path,
   state = _CallState(recorder)
   for path, module in modules.items():
     if path and isinstance(module, MixedPrecision) and recorder is not None:
-      object.__setattr__(module, _REPORT, recorder.under(base + path))
+      object.__setattr__(module, _REPORT, recorder.under(path))
     if isinstance(module, (MixedPrecision,) + _CONTAINERS):
       continue
     if _is_flax_layer(module):
       object.__setattr__(module, "dtype", resolved[path].policy.compute_dtype)
     remat = config.remat_norms and config.rule_set.is_island(
         resolved[path].rule)
-    object.__setattr__(module, _SLOT, _Slot(base + path, resolved[path],
-                                             state, remat))
-    object.__setattr__(module, "__class__",
-                       _policy_class(_original(type(module))))
+    object.__setattr__(module, _SLOT, _Slot(path, resolved[path], state,
+                                             remat))
+    object.__setattr__(module, "__class__", _policy_class(type(module)))
 
   out = getattr(tmp, method)(*args, **kwargs)
   if recorder is None:
@@ -442,7 +334,7 @@ def _unchanged(new: Any, old: Any) -> bool:
       a is b for a, b in zip(new_leaves, old_leaves, strict=True))
 
 
-def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
+def _write_back(self: MixedPrecision, tmp: nnx.Module, given: dict,
                 stored: dict) -> None:
   """Writes the variables the call changed back, in their stored dtypes."""
   changed = []
@@ -527,7 +419,6 @@ def mixed_precision(
                              float32_norms=float32_norms, strict=strict,
                              enabled=enabled)
   modules = _modules(model)
-  _unguard(modules)  # Submodules taken from a wrapper: its policy goes.
   classes = _classes(modules, type(model))
   rule_set.check_strict(classes)
   resolved = rule_set.resolve(classes)
@@ -542,7 +433,6 @@ def mixed_precision(
   if not isinstance(remat_norms, bool):
     raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
   config = _Config(type(model), rule_set, remat_norms)
-  _guard(modules, config)
   wrapped = object.__new__(MixedPrecision)
   wrapped.__setstate__(dict(vars(model)))
   object.__setattr__(wrapped, _CONFIG, config)

@@ -331,3 +331,34 @@ def test_report_rows_of_a_nested_policy_and_param_bytes():
   # The nested model still runs under its own policy outside reports.
   assert _dots(outer, jnp.ones(4)) == {(BF16, BF16),
                                        (np.dtype(jnp.float32),) * 2}
+
+
+def test_a_rules_output_dtype_wins_over_the_cell_check_and_layers_pickle():
+  """``film(cond, x)`` is shaped like a cell; its own rule still holds."""
+  import pickle
+  key = jax.random.key(0)
+
+  class Film(eqx.Module):
+    scale: eqx.nn.Linear
+
+    def __call__(self, cond, x):
+      return self.scale(cond) * x
+
+  class Net(eqx.Module):
+    stem: eqx.nn.Linear
+    film: Film
+    seq: eqx.nn.Sequential
+    seen: list = eqx.field(static=True)
+
+    def __call__(self, cond, x):
+      y = self.film(cond, self.stem(x))
+      self.seen.append((y.dtype, len(pickle.dumps(self.stem)) > 0))
+      return self.seq[0](y) + sum(layer(y) for layer in self.seq)
+
+  net = Net(eqx.nn.Linear(8, 8, key=key), Film(eqx.nn.Linear(3, 8, key=key)),
+            eqx.nn.Sequential([eqx.nn.Linear(8, 2, key=key)]), [])
+  model = jeqx.mixed_precision(net, "p=f32,c=bf16,o=bf16",
+                               rules=[("film", "p=f32,c=f32,o=f32")])
+  out = model(jnp.ones(3), jnp.ones(8))
+  assert net.seen[-1] == (np.dtype(jnp.float32), True)
+  assert_dtype(out, jnp.bfloat16)

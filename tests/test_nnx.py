@@ -293,45 +293,6 @@ class EncoderHead(nnx.Module):
     return self.head(self.encoder(x))
 
 
-def test_a_submodule_called_on_its_own_runs_under_the_policy():
-  """``wrapped.encoder(x)`` ran in float32 past the policy, silently."""
-  model = jnnx.mixed_precision(EncoderHead(nnx.Rngs(0)), "p=f32,c=bf16,o=f32",
-                               rules=[("head", "f32")])
-  x = jax.random.normal(jax.random.key(0), (5, 3))
-  bf16, f32 = (np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float32),) * 2
-  # A module's output dtype is what it is inside a call (the model's output
-  # dtype is the root's): the encoder hands back bfloat16.
-  mean = _value(model.encoder.bn.mean)
-  assert_dtype(model.encoder(x), jnp.bfloat16)
-  assert_dtype(_value(model.encoder.bn.mean), jnp.float32)  # Written back.
-  assert not np.allclose(_value(model.encoder.bn.mean), mean)
-  model.eval()  # Plain jax traces cannot update batch statistics.
-  assert _dot_conv_dtypes(lambda x: model.encoder(x), x) == {bf16}
-  assert _dot_conv_dtypes(lambda x: model.encoder.project(x), x) == {bf16}
-  assert _dot_conv_dtypes(lambda x: model.encoder.lin(x), x) == {bf16}
-  assert _dot_conv_dtypes(lambda h: model.head(h), jnp.ones((1, 4))) == {f32}
-  # Through split/merge, as in a jitted train step.
-  graphdef, state = nnx.split(model)
-  assert _dot_conv_dtypes(
-      lambda s, x: nnx.merge(graphdef, s).encoder(x), state, x) == {bf16}
-  # The submodules look as they did: class, isinstance, repr, pickling.
-  assert type(model.encoder).__name__ == "Encoder"
-  assert isinstance(model.encoder.lin, nnx.Linear)
-  assert "encoder=Encoder(" in repr(model)
-  import pickle
-  restored = pickle.loads(pickle.dumps(model))
-  assert _dot_conv_dtypes(lambda x: restored.encoder(x), x) == {bf16}
-  # A new policy replaces the old one in the submodules too, and a
-  # submodule wrapped on its own takes only its own policy.
-  f16 = (np.dtype(jnp.float16),) * 2
-  again = jnnx.mixed_precision(model, "f16", float32_norms=False)
-  assert _dot_conv_dtypes(lambda x: again.encoder(x), x) == {f16}
-  alone = jnnx.mixed_precision(model.encoder, "f16")
-  assert alone.wrapped_class is Encoder
-  assert _dot_conv_dtypes(lambda x: alone.lin(x), x) == {f16}
-  assert _dot_conv_dtypes(lambda x: model.encoder(x), x) == {bf16}
-
-
 def test_nested_policy_reports_its_own_modules():
   """The report flagged a nested policy's float16 matmuls as the outer
   root's own code, and listed none of its modules."""
@@ -353,3 +314,27 @@ def test_nested_policy_reports_its_own_modules():
   assert rows["backbone/bn"].stored == "float32"  # Its float32 island.
   assert rows["head"].computed == "bfloat16" and rows[""].computed == "-"
   assert not report.mismatches()
+
+
+def test_views_and_configuring_methods_act_on_the_wrapped_submodules():
+  """nnx.view / set_view switch a wrapped model to eval mode, as unwrapped."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.bn(self.lin(x)))
+
+  model = jnnx.mixed_precision(Net(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  model(x)  # Training mode: batch statistics move.
+  evaluating = nnx.view(model, deterministic=True, use_running_average=True)
+  assert evaluating.drop.deterministic and evaluating.bn.use_running_average
+  mean = evaluating.bn.mean[...]
+  chex.assert_trees_all_equal(evaluating(x), evaluating(x))
+  chex.assert_trees_all_equal(evaluating.bn.mean[...], mean)
+  model.drop.set_view(deterministic=True)
+  assert model.drop.deterministic
