@@ -36,6 +36,43 @@ def check_transformation(inner: Any, who: str) -> None:
         f" update), got {type(inner).__name__}: {inner!r}")
 
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def check_count(value: Any, what: str) -> int:
+  """``value`` as a Python int in ``[1, 2**31 - 1]``.
+
+  Such settings bound an int32 counter in the state (which must be able to
+  reach them); numpy integers are taken, bools are not.
+
+  Args:
+    value: the setting (``every_k``, ``max_consecutive_skips``).
+    what: the argument's name, for the message.
+
+  Returns:
+    ``int(value)``.
+
+  Raises:
+    TypeError: if ``value`` is not an integer (or is a bool).
+    ValueError: if it is out of range.
+
+  Example:
+    >>> import numpy as np
+    >>> from jmp_lite._checks import check_count
+    >>> check_count(np.int64(4), "every_k")
+    4
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (int, np.integer)):
+    raise TypeError(
+        f"{what} must be an int, got {type(value).__name__}: {value!r}")
+  if not 1 <= value <= INT32_MAX:
+    raise ValueError(
+        f"{what} must be >= 1 and at most 2**31 - 1 (an int32 counter reaches"
+        f" it), got {value}")
+  return int(value)
+
+
 def check_bool(value: Any, what: str, optional: bool = False) -> Any:
   """``value`` as a Python bool (or ``None`` where ``optional``).
 

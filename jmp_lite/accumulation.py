@@ -19,7 +19,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_transformation
+from jmp_lite._checks import check_count, check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 
 __all__ = ["AccumulateState", "accumulate_gradients"]
@@ -92,15 +92,7 @@ def accumulate_gradients(
     (Array([-0.], dtype=float32), Array([-2.], dtype=float32))
   """
   check_transformation(inner, "accumulate_gradients")
-  if isinstance(every_k, (bool, np.bool_)) or not isinstance(
-      every_k, (int, np.integer)):
-    raise TypeError(
-        f"every_k must be an int, got {type(every_k).__name__}: {every_k!r}")
-  if not 1 <= every_k <= np.iinfo(np.int32).max:
-    # The int32 mini_step counts up to every_k - 1.
-    raise ValueError(
-        f"every_k must be >= 1 and at most 2**31 - 1, got {every_k}")
-  every_k = int(every_k)
+  every_k = check_count(every_k, "every_k")
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
   def to_acc(x: Any) -> Any:

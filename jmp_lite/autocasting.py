@@ -59,6 +59,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_bool
 from jmp_lite.policy import get_policy, Policy
 
 __all__ = ["Audit", "AuditRecord", "FLOAT32", "LOWER_PRECISION", "autocast",
@@ -555,8 +556,7 @@ def _make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
   """Validates :func:`autocast`'s options (shared with the audit)."""
   for what, flag in (("use_default_lists", use_default_lists),
                      ("accumulate_in_float32", accumulate_in_float32)):
-    if not isinstance(flag, (bool, np.bool_)):  # "no" would read as True.
-      raise TypeError(f"{what} must be a bool, got {flag!r}")
+    check_bool(flag, what)  # "no" would read as True.
   if isinstance(policy_or_dtype, str) and "=" in policy_or_dtype:
     policy_or_dtype = get_policy(policy_or_dtype)  # "p=f32,c=bf16,o=f32"
   if isinstance(policy_or_dtype, Policy):

@@ -42,7 +42,7 @@ import optax
 
 from jmp_lite import _optax, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_bool, check_transformation
+from jmp_lite._checks import check_bool, check_count, check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -122,9 +122,6 @@ def _check_skip_with(skip_with: Any) -> str:
     raise ValueError(
         f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
   return skip_with
-
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _check_axis_name(axis_name: Any) -> Any:
@@ -448,19 +445,8 @@ def skip_nonfinite(
   """
   check_transformation(inner, "skip_nonfinite")
   if max_consecutive_skips is not None:
-    if (isinstance(max_consecutive_skips, (bool, np.bool_))
-        or not isinstance(max_consecutive_skips, (int, np.integer))):
-      raise TypeError(
-          "max_consecutive_skips must be None or an int, got"
-          f" {type(max_consecutive_skips).__name__}: {max_consecutive_skips!r}"
-      )
-    if not 1 <= max_consecutive_skips <= _INT32_MAX:
-      # consecutive_skips is an int32 that must be able to reach it.
-      raise ValueError(
-          "max_consecutive_skips must be >= 1 and at most 2**31 - 1 (an int32"
-          f" counter reaches it), got {max_consecutive_skips}"
-      )
-    max_consecutive_skips = int(max_consecutive_skips)
+    max_consecutive_skips = check_count(max_consecutive_skips,
+                                        "max_consecutive_skips")
   config = GuardConfig(axis_name=_check_axis_name(axis_name),
                        skip_with=_check_skip_with(skip_with))
 
