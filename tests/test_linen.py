@@ -873,20 +873,25 @@ class AutoEncoder(nn.Module):
     return self.decoder(z)
 
 
+class BackboneHead(nn.Module):
+  """A float32 head on an AutoEncoder backbone under its own policy."""
+
+  backbone_policy: str
+
+  def setup(self):
+    self.backbone = jl.mixed_precision(AutoEncoder(), self.backbone_policy)
+    self.head = nn.Dense(2, dtype=jnp.float32)
+
+  def __call__(self, x):
+    return self.head(self.backbone(x))
+
+  def features(self, x):
+    return self.head(self.backbone.encode(x)[:, :3])
+
+
 def test_wrapped_models_methods_through_the_wrapper_as_a_submodule():
   """``self.backbone.encode(x)`` raised AttributeError: the wrapper only had
   ``__call__``. Now every method of the model runs under its policy."""
-
-  class Setup(nn.Module):
-    def setup(self):
-      self.backbone = jl.mixed_precision(AutoEncoder(), "p=f32,c=bf16,o=bf16")
-      self.head = nn.Dense(2, dtype=jnp.float32)
-
-    def __call__(self, x):
-      return self.head(self.backbone(x))
-
-    def features(self, x):
-      return self.head(self.backbone.encode(x)[:, :3])
 
   class Compact(nn.Module):
     @nn.compact
@@ -897,7 +902,8 @@ def test_wrapped_models_methods_through_the_wrapper_as_a_submodule():
 
   x = jnp.ones((2, 3))
   bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-  for outer, method, backbone in ((Setup(), "features", "backbone"),
+  setup_style = BackboneHead("p=f32,c=bf16,o=bf16")
+  for outer, method, backbone in ((setup_style, "features", "backbone"),
                                   (Compact(), None, "AutoEncoder_0")):
     variables = outer.init(jax.random.key(0), x, method=method)
     assert set(variables["params"][backbone]) >= {"encoder"}
@@ -915,8 +921,8 @@ def test_wrapped_models_methods_through_the_wrapper_as_a_submodule():
     assert_dtype(fn(variables), jnp.float32)
   # Flax's capture_intermediates records the backbone's output once, as for
   # the bare model (the wrapper's own `__call__` was recorded too).
-  variables = Setup().init(jax.random.key(0), x)
-  _, state = Setup().apply(variables, x, capture_intermediates=True,
+  variables = setup_style.init(jax.random.key(0), x)
+  _, state = setup_style.apply(variables, x, capture_intermediates=True,
                            mutable=["intermediates"])
   assert len(state["intermediates"]["backbone"]["__call__"]) == 1
   # At the top, `method=model.encode` is Flax's idiom and means "encode".
@@ -982,15 +988,7 @@ def test_nested_policy_in_setup_reports_its_own_modules():
   top, inputs cast to bfloat16) and the report flagged the inner float16
   matmuls as the outer root's own code."""
 
-  class Outer(nn.Module):
-    def setup(self):
-      self.backbone = jl.mixed_precision(AutoEncoder(), "f16")
-      self.head = nn.Dense(2, dtype=jnp.float32)
-
-    def __call__(self, x):
-      return self.head(self.backbone(x))
-
-  model = jl.mixed_precision(Outer(), "p=f32,c=bf16,o=f32")
+  model = jl.mixed_precision(BackboneHead("f16"), "p=f32,c=bf16,o=f32")
   x = jnp.ones((2, 3))
   variables = model.init(jax.random.key(0), x)
   report = jl.dtype_report(model, variables, x)
