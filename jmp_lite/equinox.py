@@ -131,7 +131,6 @@ class _CallState:
   """Mutable state of one call (never shared between calls)."""
 
   recorder: _report.Recorder | None
-  prefix: Path = ()  # Where a nested MixedPrecision sits, for the report.
   root_depth: int = 0
 
 
@@ -164,7 +163,6 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
                    kwargs: dict, own: Any) -> Any:
   policy = slot.resolved.policy
   recorder = slot.state.recorder
-  path = slot.state.prefix + slot.path
   cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
                                               policy.compute_dtype)
   output = slot.resolved.output
@@ -175,7 +173,7 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
     if recorder is None:
       out = fn(*cast_args, **cast_kwargs)
     else:
-      with recorder.scope(path, slot.cls, policy):
+      with recorder.scope(slot.path, slot.cls, policy):
         out = fn(*cast_args, **cast_kwargs)
   finally:
     if not slot.path:
@@ -188,7 +186,8 @@ def _boundary_call(slot: _Slot, fn: Callable[..., Any], args: tuple,
   else:
     out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
   if recorder is not None:
-    recorder.call(path, slot.cls, policy, (cast_args, cast_kwargs), out, own)
+    recorder.call(slot.path, slot.cls, policy, (cast_args, cast_kwargs), out,
+                  own)
   return out
 
 
@@ -244,10 +243,8 @@ class _Boundary(_ReadThrough):
                           _own_arrays(self.inner))
 
   def __getattr__(self, name: str) -> Any:
-    inner = self.__dict__.get("inner")
-    if inner is None or name.startswith("__"):
-      raise AttributeError(name)
-    attr = getattr(inner, name)
+    attr = super().__getattr__(name)
+    inner = self.__dict__["inner"]
     fields = {f.name for f in dataclasses.fields(inner)}
     if name not in fields and callable(attr):
       # A method (Equinox binds methods as modules themselves).
@@ -263,17 +260,16 @@ class _NestedRun(_ReadThrough):
   It runs under its own policy and records its modules under its path.
   """
 
-  state: _CallState = eqx.field(static=True)
-  path: Path = eqx.field(static=True)
+  recorder: _report.Recorder = eqx.field(static=True)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return cast(MixedPrecision, self.inner)._run(
-        None, args, kwargs, self.state.recorder, self.path)
+    return cast(MixedPrecision, self.inner)._run(None, args, kwargs,
+                                                 self.recorder)
 
   def method(self, name: str) -> Callable[..., Any]:
     cast(MixedPrecision, self.inner).method(name)  # Checks the name.
     return lambda *a, **k: cast(MixedPrecision, self.inner)._run(
-        name, a, k, self.state.recorder, self.path)
+        name, a, k, self.recorder)
 
 
 def _own_arrays(node: eqx.Module) -> dict[str, Any]:
@@ -319,17 +315,16 @@ class MixedPrecision(eqx.Module):
     return lambda *a, **k: self._run(name, a, k)
 
   def _run(self, method: str | None, args: tuple, kwargs: dict,
-           recorder: _report.Recorder | None = None,
-           prefix: Path = ()) -> Any:
+           recorder: _report.Recorder | None = None) -> Any:
     modules = _modules(self.module)
     resolved = self.rule_set.resolve({p: type(m) for p, m in modules.items()})
-    state = _CallState(recorder, prefix)
+    state = _CallState(recorder)
 
     def convert(path: Path, node: eqx.Module) -> Any:
       if isinstance(node, MixedPrecision):
         # A nested policy casts its own model (and reports under its path).
         return node if recorder is None else _NestedRun(
-            node, state, prefix + path)
+            node, recorder.under(path))
       res = resolved[path]
       body = _rebuild(node, path,
                       lambda _, x: _cast_leaf(res.policy.compute_dtype)(x),
