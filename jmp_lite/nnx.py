@@ -20,10 +20,21 @@ model's own code on a private copy made for that call, in which:
 * nnx objects passed as arguments (``Rngs``, caches, modules) are the
   caller's own objects, never copies.
 
-The policy governs calls of the wrapper: a submodule reached through it
-and called on its own (``wrapped.encoder(x)``) runs as the bare module
-would, in its stored dtypes. Call the model's own methods through the
-wrapper instead (``wrapped.encode(x)``).
+A submodule reached through the wrapper and called on its own
+(``wrapped.encoder(x)``, ``wrapped.blocks[0](x)``, also inside ``nnx.jit``
+or on an ``nnx.view`` of the wrapper) runs under the policy it has inside
+the model, with the same per-call copy, casts and write-back, and returns
+its outputs in that policy's output dtype, as the wrapper does. Only calls
+are guarded: a submodule's other methods (``wrapped.encoder.encode(x)``,
+``init_cache``, setters, ``set_view``) run on the stored module without the
+policy's casts (their own matmuls in stored dtypes; the submodules they
+*call* are guarded calls). Call a model's own methods through the wrapper
+(``wrapped.encode(x)``). The stored submodules are instances of a subclass
+of their own class, ``<Name>UnderPolicy`` (``isinstance`` holds; pickle
+finds it by name), and :func:`mixed_precision` of the wrapper, or of a model
+holding such a submodule, gives them their own classes back. A module added
+to the wrapper after wrapping is not guarded until the model is wrapped
+again.
 
 Afterwards the variables the call changed (batch statistics, RNG counts,
 caches, ``sow``-n intermediates) are written back into the wrapped model in
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -58,6 +70,7 @@ NORM_LAYERS: tuple[type, ...] = (nnx.LayerNorm, nnx.BatchNorm, nnx.RMSNorm,
 _CONTAINERS: tuple[type, ...] = (nnx.List, nnx.Dict)
 _CONFIG = "_jmp_lite"
 _SLOT = "_jmp_lite_call"
+_GUARD = "_jmp_lite_guard"
 _REPORT = "_jmp_lite_report"
 
 Path = tuple[str, ...]
@@ -73,6 +86,21 @@ class _Config:
   cls: type
   rule_set: _rules.RuleSet
   remat_norms: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Guard:
+  """Where a stored submodule sits under its wrapper (static: in the graphdef).
+
+  ``ancestors`` are the ``(path, class)`` of the modules above it, the root
+  first as its model's class: rules are resolved on the full path and
+  inherited from ancestors, so a direct call resolves exactly as a call
+  from inside the model.
+  """
+
+  config: _Config
+  path: Path
+  ancestors: tuple[tuple[Path, type], ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,6 +119,9 @@ class _Slot:
   resolved: _rules.Resolved
   state: _CallState
   remat: bool = False  # Recompute this island in the backward pass.
+  # The module the call entered through (the model, or a submodule called
+  # directly): its output leaves in the policy's output dtype.
+  root: bool = False
 
 
 def _path(path: Sequence[Any]) -> Path:
@@ -120,7 +151,8 @@ def _modules(root: nnx.Module) -> dict[Path, nnx.Module]:
 
 
 def _classes(modules: dict[Path, nnx.Module], cls: type) -> dict[Path, type]:
-  return {p: (cls if not p else type(m)) for p, m in modules.items()}
+  return {p: (cls if not p else _own_class(type(m)))
+          for p, m in modules.items()}
 
 
 def _owner(path: Path, modules: dict[Path, Any]) -> Path:
@@ -136,7 +168,8 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
   out: dict[str, Callable[..., Any]] = {}
   for klass in reversed(cls.__mro__):
     if not issubclass(klass, nnx.Module) or klass.__module__.startswith(
-        ("flax.nnx.module", "flax.nnx.pytreelib", "flax.nnx.object")):
+        ("flax.nnx.module", "flax.nnx.pytreelib", "flax.nnx.object")
+    ) or _GUARDED_FROM in vars(klass):
       continue
     for name, value in vars(klass).items():
       if isinstance(value, types.FunctionType) and (
@@ -153,13 +186,16 @@ def _run_method(fn: Callable[..., Any], self: nnx.Module, args: tuple,
     return fn(self, *args, **kwargs)
   policy = slot.resolved.policy
   recorder = slot.state.recorder
-  cls = type(self).__mro__[1]  # The class the per-call copy was made from.
+  cls = _own_class(type(self).__mro__[1])  # The class it was made from.
   cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
                                               policy.compute_dtype)
   output = slot.resolved.output
-  if not slot.path:
-    # The root's own methods calling each other stay in compute dtype.
-    output = output if slot.state.root_depth == 0 else policy.compute_dtype
+  if slot.root:
+    # The root's own methods calling each other stay in compute dtype. A
+    # submodule called directly returns its policy's output dtype, as the
+    # model does (inside the model it returns its compute dtype).
+    top = output if not slot.path else policy.output_dtype
+    output = top if slot.state.root_depth == 0 else policy.compute_dtype
     slot.state.root_depth += 1
   run = fn
   if slot.remat:
@@ -172,9 +208,9 @@ def _run_method(fn: Callable[..., Any], self: nnx.Module, args: tuple,
       with recorder.scope(slot.path, cls, policy, slot.resolved.fp8):
         out = run(self, *cast_args, **cast_kwargs)
   finally:
-    if not slot.path:
+    if slot.root:
       slot.state.root_depth -= 1
-  out = _rules.cast_outputs(out, output, args, carry=bool(slot.path))
+  out = _rules.cast_outputs(out, output, args, carry=not slot.root)
   if recorder is not None:
     own = {k: v.get_value() for k, v in vars(self).items()
            if isinstance(v, nnx.Param)}
@@ -192,7 +228,9 @@ def _policy_class(cls: type) -> type:
   def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def method(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-      return _run_method(fn, self, args, kwargs)
+      # Looked up per call, not kept: a method patched on ``cls`` since
+      # (``nnx.tabulate`` patches every module class's methods) runs.
+      return _run_method(getattr(cls, name), self, args, kwargs)
 
     return method
 
@@ -202,8 +240,99 @@ def _policy_class(cls: type) -> type:
   kwds = {}
   if hasattr(cls, "_pytree__is_pytree"):
     kwds["pytree"] = cls._pytree__is_pytree
+  return types.new_class(f"{_own_class(cls).__name__}UnderPolicy", (cls,),
+                         kwds, lambda ns: ns.update(namespace))
+
+
+_GUARDED_FROM = "_jmp_lite_guarded_from"
+
+
+def _own_class(cls: type) -> type:
+  """The user's class of a stored submodule (its guard class's base)."""
+  return vars(cls).get(_GUARDED_FROM, cls)
+
+
+def _callable_class(cls: type) -> bool:
+  return any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+
+
+def _guard_name(cls: type) -> str:
+  # One attribute name of _guard_classes per class, without dots (pickle
+  # splits a qualname at them).
+  return f"{cls.__module__}:{cls.__qualname__}".replace(".", "/")
+
+
+class _GuardClasses:
+  """Where pickle finds a guard class, by name (``jmp_lite.nnx._guarded.*``).
+
+  Stored submodules are instances of a class made at run time; a graphdef
+  or a pickled model names it as ``_guarded.<module>:<qualname of the
+  user's class>``, and loading it imports the user's class and makes the
+  guard class again.
+  """
+
+  def __getattr__(self, name: str) -> type:
+    module, sep, qualname = name.replace("/", ".").partition(":")
+    if not sep or "<locals>" in qualname:  # Dunder lookups have no ":".
+      raise AttributeError(name)
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+      obj = getattr(obj, part)
+    return _guard_class(obj)
+
+
+_guarded = _GuardClasses()
+
+
+@functools.cache
+def _guard_class(cls: type) -> type:
+  """A subclass of ``cls`` whose ``__call__`` runs under the stored guard.
+
+  The class of a stored submodule of a :class:`MixedPrecision`, named
+  ``<cls name>UnderPolicy``, found by pickle as ``_guarded.<cls path>``.
+  """
+
+  @functools.wraps(cls.__call__)  # Its signature (jit's static_argnames).
+  def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+    guard: _Guard | None = vars(self).get(_GUARD)
+    if guard is None or _SLOT in vars(self):
+      return cls.__call__(self, *args, **kwargs)
+    return _run_node(self, cls, guard.config, guard.path, guard.ancestors,
+                     "__call__", args, kwargs)
+
+  namespace: dict[str, Any] = {
+      "__call__": __call__, "__module__": __name__,
+      "__qualname__": "_guarded." + _guard_name(cls), _GUARDED_FROM: cls}
+  kwds = {}
+  if hasattr(cls, "_pytree__is_pytree"):
+    kwds["pytree"] = cls._pytree__is_pytree
+  # Not the user's own name: an __init_subclass__ registry keyed by name
+  # would map it to this class.
   return types.new_class(f"{cls.__name__}UnderPolicy", (cls,), kwds,
                          lambda ns: ns.update(namespace))
+
+
+def _guard(root: nnx.Module, config: _Config) -> None:
+  """Makes every callable stored submodule of ``root`` run under ``config``."""
+  modules = _modules(root)
+  for path, module in modules.items():
+    if (not path or isinstance(module, (MixedPrecision,) + _CONTAINERS)
+        or not _callable_class(type(module))):
+      continue
+    ancestors = tuple(
+        (path[:n], config.cls if not n else _own_class(type(modules[path[:n]])))
+        for n in range(len(path)) if path[:n] in modules)
+    object.__setattr__(module, _GUARD, _Guard(config, path, ancestors))
+    object.__setattr__(module, "__class__",
+                       _guard_class(_own_class(type(module))))
+
+
+def _unguard(root: nnx.Module) -> None:
+  """Gives the stored submodules of ``root`` their own classes back."""
+  for path, module in _modules(root).items():
+    if path and _GUARD in vars(module):
+      vars(module).pop(_GUARD)
+      object.__setattr__(module, "__class__", _own_class(type(module)))
 
 
 class MixedPrecision(nnx.Module):
@@ -262,6 +391,7 @@ def _as_model(wrapped: MixedPrecision) -> nnx.Module:
   model = _copy(wrapped)
   object.__setattr__(model, "__class__", wrapped.wrapped_class)
   vars(model).pop(_CONFIG, None)
+  _unguard(model)
   return model
 
 
@@ -272,15 +402,42 @@ def _run(self: MixedPrecision, method: str, args: tuple, kwargs: dict,
     # A nested policy inside a model a report traces records there too.
     recorder = vars(self).get(_REPORT)
   config: _Config = vars(self)[_CONFIG]
-  graphdef, state = nnx.split(self)
+  return _run_node(self, config.cls, config, (), (), method, args, kwargs,
+                   recorder)
+
+
+def _run_node(node: nnx.Module, cls: type, config: _Config, prefix: Path,
+              ancestors: tuple[tuple[Path, type], ...], method: str,
+              args: tuple, kwargs: dict,
+              recorder: _report.Recorder | None = None) -> Any:
+  """Runs ``method`` of ``node`` (class ``cls``, at ``prefix`` under the
+  wrapper whose ``config`` it is) under the policy, on a per-call copy."""
+  graphdef, state = nnx.split(node)
   flat = list(nnx.to_flat_state(state))
   # Copy every variable, so the call's own mutations stay in the copy until
   # they are written back (nnx's split/merge would share variable objects).
   copies = {p: jax.tree.map(lambda x: x, v) for p, v in flat}
   tmp = nnx.merge(graphdef, nnx.from_flat_state(list(copies.items())))
-  object.__setattr__(tmp, "__class__", config.cls)
+  object.__setattr__(tmp, "__class__", cls)
   modules = _modules(tmp)
-  resolved = config.rule_set.resolve(_classes(modules, config.cls))
+  # Resolved on full paths, with the ancestors' classes, as the whole
+  # model's call resolves them: a module shared with another part of the
+  # model (a tied embedding) at the path the model's call sees it.
+  where = {p: prefix + p for p in modules}
+  full = dict(ancestors)
+  for p in sorted(modules, key=len):
+    guard = vars(modules[p]).get(_GUARD)
+    if prefix and p and guard is not None and guard.config == config:
+      where[p] = guard.path
+      full.update(guard.ancestors)
+    elif p:
+      # Below its nearest module, as that module is placed.
+      parent = _owner(p, modules)
+      where[p] = where[parent] + p[len(parent):]
+  classes = _classes(modules, cls)
+  full.update({where[p]: classes[p] for p in modules})
+  every = config.rule_set.resolve(full)
+  resolved = {p: every[where[p]] for p in modules}
 
   given = {}
   for path, var in copies.items():
@@ -304,13 +461,13 @@ def _run(self: MixedPrecision, method: str, args: tuple, kwargs: dict,
       object.__setattr__(module, "dtype", resolved[path].policy.compute_dtype)
     remat = config.remat_norms and config.rule_set.is_island(
         resolved[path].rule)
-    object.__setattr__(module, _SLOT, _Slot(path, resolved[path], state,
-                                             remat))
+    object.__setattr__(module, _SLOT, _Slot(where[path], resolved[path],
+                                             state, remat, root=not path))
     object.__setattr__(module, "__class__", _policy_class(type(module)))
 
   out = getattr(tmp, method)(*args, **kwargs)
   if recorder is None:
-    _write_back(self, tmp, given, dict(flat))
+    _write_back(node, tmp, given, dict(flat))
   return out
 
 
@@ -334,7 +491,7 @@ def _unchanged(new: Any, old: Any) -> bool:
       a is b for a, b in zip(new_leaves, old_leaves, strict=True))
 
 
-def _write_back(self: MixedPrecision, tmp: nnx.Module, given: dict,
+def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
                 stored: dict) -> None:
   """Writes the variables the call changed back, in their stored dtypes."""
   changed = []
@@ -410,6 +567,11 @@ def mixed_precision(
     model = _as_model(model)
   elif isinstance(model, nnx.Module):
     model = _copy(model)
+    # A submodule of another wrapper (or a model holding one) is itself
+    # again before this policy guards it.
+    _unguard(model)
+    object.__setattr__(model, "__class__", _own_class(type(model)))
+    vars(model).pop(_GUARD, None)
   else:
     raise TypeError(
         f"mixed_precision expects a flax.nnx.Module instance, got"
@@ -433,6 +595,7 @@ def mixed_precision(
   if not isinstance(remat_norms, bool):
     raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
   config = _Config(type(model), rule_set, remat_norms)
+  _guard(model, config)
   wrapped = object.__new__(MixedPrecision)
   wrapped.__setstate__(dict(vars(model)))
   object.__setattr__(wrapped, _CONFIG, config)

@@ -338,3 +338,200 @@ def test_views_and_configuring_methods_act_on_the_wrapped_submodules():
   chex.assert_trees_all_equal(evaluating.bn.mean[...], mean)
   model.drop.set_view(deterministic=True)
   assert model.drop.deterministic
+
+
+class Autoencoder(nnx.Module):
+  """Flax-example style: every layer says dtype=float32; parts called alone."""
+
+  def __init__(self, rngs):
+    self.encoder = Encoder(rngs)
+    self.blocks = nnx.List([nnx.Linear(4, 4, dtype=jnp.float32, rngs=rngs)
+                            for _ in range(2)])
+    self.decoder = nnx.Linear(4, 3, dtype=jnp.float32, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.encoder(x)
+    for block in self.blocks:
+      h = nnx.relu(block(h))
+    return self.decoder(h)
+
+
+def _traced_dtypes(call, module, *args):
+  """Matmul operand dtypes of ``call(module, *args)``, traced as nnx.jit does
+  (module merged inside the trace, so batch statistics may move)."""
+  graphdef, state = nnx.split(module)
+  return _dot_conv_dtypes(
+      lambda s, *a: call(nnx.merge(graphdef, s), *a), state, *args)
+
+
+def test_submodules_called_directly_run_under_the_policy():
+  """`wrapped.encoder(x)` ran the bare module: float32 matmuls, silently."""
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32",
+                               rules=[("blocks/1", "c=f32")])
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  h = jnp.ones((8, 4))
+  bf16, f32 = (np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float32),) * 2
+  assert _traced_dtypes(lambda m, x: m.encoder(x), model, x) == {bf16}
+  assert _traced_dtypes(lambda m, h: m.blocks[0](h), model, h) == {bf16}
+  assert _traced_dtypes(lambda m, h: m.decoder(h), model, h) == {bf16}
+  # Rules resolve on the full path (blocks/1) and are inherited (encoder/lin).
+  assert _traced_dtypes(lambda m, h: m.blocks[1](h), model, h) == {f32}
+  ruled = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16",
+                               rules=[(Encoder, "c=f32,o=f32")])
+  assert _traced_dtypes(lambda m, x: m.encoder.lin(x), ruled, x) == {f32}
+  # The policy's output dtype, as from the wrapper; params stay stored f32.
+  assert_dtype(model.decoder(h), jnp.float32)
+  assert_dtype(_value(model.decoder.kernel), jnp.float32)
+  # What the call changed is written back, in the stored dtype.
+  mean = _value(model.encoder.bn.mean)
+  model.encoder(x)
+  assert_dtype(_value(model.encoder.bn.mean), jnp.float32)
+  assert not np.allclose(_value(model.encoder.bn.mean), mean)
+  # A subclass (isinstance holds); the user's model keeps its classes.
+  assert isinstance(model.encoder, Encoder)
+  assert type(model.encoder).__name__ == "EncoderUnderPolicy"
+  bare = Autoencoder(nnx.Rngs(0))
+  jnnx.mixed_precision(bare, "c=bf16")
+  assert type(bare.encoder) is Encoder and type(bare.decoder) is nnx.Linear
+
+
+def test_direct_submodule_calls_in_a_donated_nnx_jit_step():
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)),
+                               "p=f32,c=bf16,o=bf16")
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  traces = []
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def step(model, opt, x):
+    def loss(model):  # Encoder and decoder called directly, no blocks.
+      encoded = model.encoder(x)
+      traces.append(encoded.dtype)
+      y = model.decoder(encoded).astype(jnp.float32)
+      return jnp.mean((y - x) ** 2)
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    opt.update(model, grads)
+    return value, grads
+
+  losses = [float(step(model, opt, x)[0]) for _ in range(4)]
+  value, grads = step(model, opt, x)
+  losses.append(float(value))
+  assert traces == [jnp.bfloat16]   # One trace; the policy's output dtype.
+  assert losses[-1] < losses[0]
+  assert_dtype(_value(grads["decoder"]["kernel"]), jnp.float32)
+  assert_dtype(_value(model.encoder.lin.kernel), jnp.float32)
+
+
+def test_guarded_submodules_pickle_and_unwrap():
+  import pickle
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  h = jnp.ones((2, 4))
+  graphdef = nnx.graphdef(model)
+  assert pickle.loads(pickle.dumps(graphdef)) == graphdef
+  restored = pickle.loads(pickle.dumps(model))
+  bf16 = (np.dtype(jnp.bfloat16),) * 2
+  assert _traced_dtypes(lambda m, h: m.decoder(h), restored, h) == {bf16}
+  chex.assert_trees_all_equal(restored.decoder(h), model.decoder(h))
+  # Unwrapping (a float32 policy re-wraps the model itself) and wrapping a
+  # guarded submodule on its own: each runs only its own policy.
+  f32 = (np.dtype(jnp.float32),) * 2
+  plain = jnnx.mixed_precision(model, "f32")
+  assert _traced_dtypes(lambda m, h: m.decoder(h), plain, h) == {f32}
+  alone = jnnx.mixed_precision(model.decoder, "c=f16")
+  assert alone.wrapped_class is nnx.Linear
+  assert _traced_dtypes(lambda m, h: m(h), alone, h) == {
+      (np.dtype(jnp.float16),) * 2}
+  assert _traced_dtypes(lambda m, h: m.decoder(h), model, h) == {bf16}
+
+
+def test_float32_attention_as_an_nnx_attention_fn_with_is_causal():
+  """nnx.MultiHeadAttention passes is_causal=: a TypeError before."""
+  from jmp_lite.linen import dot_product_attention_fp32
+
+  def attention(fn):
+    return nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False,
+                                  attention_fn=fn, rngs=nnx.Rngs(0))
+
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  reference = attention(nnx.dot_product_attention)(x, is_causal=True,
+                                                   deterministic=True)
+  bare = attention(dot_product_attention_fp32)(x, is_causal=True,
+                                                deterministic=True)
+  chex.assert_trees_all_close(bare, reference, atol=1e-6)
+  model = jnnx.mixed_precision(attention(dot_product_attention_fp32),
+                               "p=f32,c=bf16,o=f32")
+  y = model(x, is_causal=True, deterministic=True)
+  assert_dtype(y, jnp.float32)
+  chex.assert_trees_all_close(y, reference, atol=3e-2)
+  # Later positions do not reach earlier ones.
+  later = model(x.at[:, 3:].set(0.0), is_causal=True, deterministic=True)
+  chex.assert_trees_all_equal(later[:, :3], y[:, :3])
+  # Projections in bf16, logits and softmax in float32.
+  assert _dot_conv_dtypes(
+      lambda x: model(x, is_causal=True, deterministic=True), x) == {
+          (np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float32),) * 2}
+
+
+def test_tabulate_lists_the_wrapped_models_modules_every_time():
+  """nnx.tabulate listed the submodules once, then raised KeyError."""
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 3))
+  for _ in range(2):
+    table = nnx.tabulate(model, x, depth=2,
+                         console_kwargs={"width": 250, "no_color": True})
+    for path in ("encoder/lin", "encoder/bn", "blocks/0", "decoder"):
+      assert path in table, path
+
+
+def test_a_shared_submodule_called_directly_keeps_its_rule():
+  """A tied module resolves at the path the model's own call sees it."""
+
+  class Head(nnx.Module):
+    def __init__(self, embed):
+      self.embed = embed
+
+    def __call__(self, h):
+      return self.embed.attend(h)
+
+  class TiedLM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(16, 8, rngs=rngs)
+      self.proj = nnx.Linear(8, 8, rngs=rngs)
+      self.head = Head(self.embed)
+
+    def __call__(self, tokens):
+      return self.head(self.proj(self.embed(tokens)))
+
+  model = jnnx.mixed_precision(TiedLM(nnx.Rngs(0)), "f32",
+                               rules=[("embed", "p=f32,c=bf16,o=f32")])
+  h = jnp.ones((2, 8))
+  bf16 = (np.dtype(jnp.bfloat16),) * 2
+  # Reached as head/embed, ruled as embed (the model's call runs it so).
+  assert _traced_dtypes(lambda m, h: m.head(h), model, h) == {bf16}
+  assert bf16 in _traced_dtypes(lambda m, t: m(t), model,
+                                jnp.arange(4).reshape(2, 2))
+
+
+def test_models_defined_in_a_script_pickle(monkeypatch):
+  """Classes of ``__main__`` (scripts, notebooks) pickle by name too."""
+  import pickle
+  import sys
+
+  class MainBlock(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.lin(x)
+
+  MainBlock.__module__, MainBlock.__qualname__ = "__main__", "MainBlock"
+  monkeypatch.setattr(sys.modules["__main__"], "MainBlock", MainBlock,
+                      raising=False)
+  model = jnnx.mixed_precision(Encoder(nnx.Rngs(0)), "c=bf16")
+  model.lin = MainBlock(nnx.Rngs(1))   # Wrapped again below: guarded.
+  model = jnnx.mixed_precision(model, "c=bf16")
+  restored = pickle.loads(pickle.dumps(model))
+  assert type(restored.lin) is type(model.lin)
+  chex.assert_trees_all_equal(restored.lin(jnp.ones((1, 3))),
+                              model.lin(jnp.ones((1, 3))))
