@@ -897,7 +897,10 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
     mask: optional boolean mask.
     **kwargs: forwarded to ``nn.dot_product_attention_weights``
       (``dropout_rng``, ``dropout_rate``, ``deterministic``, ...); ``dtype``
-      and ``precision`` are ignored.
+      and ``precision`` are ignored. ``is_causal=True`` (which
+      ``nnx.MultiHeadAttention`` passes, so this works as its
+      ``attention_fn`` too) masks keys after each query position
+      (query ``i`` sees keys ``0..i``), combined with ``mask``.
 
   Returns:
     ``[..., q, heads, depth_v]`` in ``value``'s dtype.
@@ -912,6 +915,10 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   kwargs.pop("precision", None)
   kwargs.pop("module", None)
   kwargs.pop("force_fp32_for_softmax", None)
+  if kwargs.pop("is_causal", False):
+    q_len, k_len = query.shape[-3], key.shape[-3]
+    causal = jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
   # A named float32 region: `dtype_report` reads it as deliberate (no
   # mismatch) and `jmp_lite.autocast` leaves it as written.
   with float32_region():
