@@ -32,9 +32,10 @@ policy's casts (their own matmuls in stored dtypes; the submodules they
 (``wrapped.encode(x)``). The stored submodules are instances of a subclass
 of their own class, ``<Name>UnderPolicy`` (``isinstance`` holds; pickle
 finds it by name), and :func:`mixed_precision` of the wrapper, or of a model
-holding such a submodule, gives them their own classes back. A module added
-to the wrapper after wrapping is not guarded until the model is wrapped
-again.
+holding such a submodule, gives them their own classes back. Guards are
+set when the policy is applied: after model surgery (a module added, moved,
+or taken from another wrapper) a direct call of it follows the place and
+policy it had then, or runs bare, until the model is wrapped again.
 
 Afterwards the variables the call changed (batch statistics, RNG counts,
 caches, ``sow``-n intermediates) are written back into the wrapped model in
