@@ -258,7 +258,7 @@ def _callable_class(cls: type) -> bool:
 
 
 def _guard_name(cls: type) -> str:
-  # One attribute name of _guard_classes per class, without dots (pickle
+  # One attribute name of _guarded per class, without dots (pickle
   # splits a qualname at them).
   return f"{cls.__module__}:{cls.__qualname__}".replace(".", "/")
 
