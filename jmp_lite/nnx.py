@@ -169,8 +169,7 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
   out: dict[str, Callable[..., Any]] = {}
   for klass in reversed(cls.__mro__):
     if not issubclass(klass, nnx.Module) or klass.__module__.startswith(
-        ("flax.nnx.module", "flax.nnx.pytreelib", "flax.nnx.object")
-    ) or _GUARDED_FROM in vars(klass):
+        ("flax.nnx.module", "flax.nnx.pytreelib", "flax.nnx.object")):
       continue
     for name, value in vars(klass).items():
       if isinstance(value, types.FunctionType) and (
@@ -329,9 +328,9 @@ def _guard(root: nnx.Module, config: _Config) -> None:
 
 
 def _unguard(root: nnx.Module) -> None:
-  """Gives the stored submodules of ``root`` their own classes back."""
-  for path, module in _modules(root).items():
-    if path and _GUARD in vars(module):
+  """Gives ``root`` and its stored submodules their own classes back."""
+  for module in _modules(root).values():
+    if _GUARD in vars(module):
       vars(module).pop(_GUARD)
       object.__setattr__(module, "__class__", _own_class(type(module)))
 
@@ -571,8 +570,6 @@ def mixed_precision(
     # A submodule of another wrapper (or a model holding one) is itself
     # again before this policy guards it.
     _unguard(model)
-    object.__setattr__(model, "__class__", _own_class(type(model)))
-    vars(model).pop(_GUARD, None)
   else:
     raise TypeError(
         f"mixed_precision expects a flax.nnx.Module instance, got"
