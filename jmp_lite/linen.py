@@ -901,6 +901,10 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
       ``nnx.MultiHeadAttention`` passes, so this works as its
       ``attention_fn`` too) masks keys after each query position
       (query ``i`` sees keys ``0..i``), combined with ``mask``.
+      ``module=`` (passed by both attention layers when called with
+      ``sow_weights=True``) sows the float32 attention weights as Flax's
+      own function does: into ``"intermediates"`` for a linen module,
+      ``nnx.Intermediate`` for an nnx one, named ``attention_weights``.
 
   Returns:
     ``[..., q, heads, depth_v]`` in ``value``'s dtype.
@@ -913,8 +917,8 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
   """
   kwargs.pop("dtype", None)
   kwargs.pop("precision", None)
-  kwargs.pop("module", None)
   kwargs.pop("force_fp32_for_softmax", None)
+  module = kwargs.pop("module", None)
   if kwargs.pop("is_causal", False):
     q_len, k_len = query.shape[-3], key.shape[-3]
     causal = jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
@@ -925,7 +929,22 @@ def dot_product_attention_fp32(query: jax.Array, key: jax.Array,
     weights = nn.dot_product_attention_weights(
         query.astype(jnp.float32), key.astype(jnp.float32),
         bias=bias, mask=mask, dtype=jnp.float32, **kwargs)
+  if module is not None:
+    _sow_attention_weights(module, weights)
   return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
+
+
+def _sow_attention_weights(module: Any, weights: jax.Array) -> None:
+  """Sows attention weights where Flax's attention would, linen or nnx."""
+  if isinstance(module, nn.Module):
+    module.sow("intermediates", "attention_weights", weights)
+    return
+  from flax import nnx  # Imported here: linen users need not load nnx.
+  if not isinstance(module, nnx.Module):
+    raise TypeError("dot_product_attention_fp32: module= must be a flax"
+                    " linen or nnx Module (it sows the attention weights),"
+                    f" got {type(module).__name__}: {module!r}")
+  module.sow(nnx.Intermediate, "attention_weights", weights)
 
 
 def _own_params(tree: Any) -> dict[Path, Any]:

@@ -936,6 +936,43 @@ def test_wrapped_models_methods_through_the_wrapper_as_a_submodule():
     model.enocde  # noqa: B018
 
 
+
+class SownAttention(nn.Module):
+  attention_fn: Any
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.MultiHeadDotProductAttention(
+        num_heads=2, attention_fn=self.attention_fn)(
+            x, x, deterministic=True, sow_weights=True)
+
+
+def test_float32_attention_sows_its_weights_into_intermediates():
+  """With sow_weights=True linen attention passes module=: it was dropped."""
+  x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+  variables = SownAttention(nn.dot_product_attention).init(
+      jax.random.key(0), x)
+  _, ref = SownAttention(nn.dot_product_attention).apply(
+      variables, x, mutable=["intermediates"])
+  expected = ref["intermediates"]["MultiHeadDotProductAttention_0"][
+      "attention_weights"][0]
+  for policy, atol in ((None, 1e-6), ("p=f32,c=bf16,o=f32", 1e-2)):
+    model = SownAttention(jl.dot_product_attention_fp32)
+    if policy is not None:
+      model = jl.mixed_precision(model, policy)
+    _, state = model.apply(variables, x, mutable=["intermediates"])
+    sown = state["intermediates"]["MultiHeadDotProductAttention_0"][
+        "attention_weights"][0]
+    assert sown.dtype == jnp.float32
+    chex.assert_trees_all_close(sown, expected, atol=atol)
+
+
+def test_float32_attention_names_a_bad_module():
+  q = jnp.ones((1, 3, 2, 4))
+  with pytest.raises(TypeError, match="module= must be a flax linen or nnx"):
+    jl.dot_product_attention_fp32(q, q, q, module="encoder")
+
+
 def test_report_accepts_the_float32_attention_helper_not_user_casts():
   """``dot_product_attention_fp32`` (float32 on purpose) was flagged as a
   mismatch, like a user's own cast; only the user's cast should be."""

@@ -473,6 +473,32 @@ def test_float32_attention_as_an_nnx_attention_fn_with_is_causal():
           (np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float32),) * 2}
 
 
+def test_float32_attention_sows_its_weights_into_nnx_intermediates():
+  """With sow_weights=True nnx attention passes module=: it was dropped."""
+  from jmp_lite.linen import dot_product_attention_fp32
+
+  def attention(fn):
+    return nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False,
+                                  attention_fn=fn, rngs=nnx.Rngs(0))
+
+  def sown(model, **kwargs):   # nnx.capture: how nnx reads sown values.
+    _, state = nnx.capture(model, nnx.Intermediate)(
+        x, deterministic=True, **kwargs)
+    return state
+
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  expected = sown(attention(nnx.dot_product_attention),
+                  sow_weights=True)["attention_weights"][0]
+  for policy, atol in ((None, 1e-6), ("p=f32,c=bf16,o=f32", 1e-2)):
+    model = attention(dot_product_attention_fp32)
+    if policy is not None:
+      model = jnnx.mixed_precision(model, policy)
+    weights = sown(model, sow_weights=True)["attention_weights"][0]
+    assert_dtype(weights, jnp.float32)   # What ran: softmax in float32.
+    chex.assert_trees_all_close(weights, expected, atol=atol)
+    assert not sown(model)   # Without sow_weights nothing is sown.
+
+
 def test_tabulate_lists_the_wrapped_models_modules_every_time():
   """nnx.tabulate listed the submodules once, then raised KeyError."""
   model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
