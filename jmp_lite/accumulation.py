@@ -100,9 +100,10 @@ def accumulate_gradients(
 
   def init(params: Any) -> AccumulateState:
     # Non-floating leaves are carried as copies: a state leaf must never be a
-    # param's own buffer, which a donated step would donate twice.
+    # param's own buffer, which a donated step would donate twice. zeros_like:
+    # the accumulator takes its param's sharding.
     acc = jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), dtype)
+        lambda p: jnp.zeros_like(p, dtype=dtype)
         if _dtypes.is_floating_array(p) else copy_arrays(p), params)
     return AccumulateState(
         acc=acc, mini_step=jnp.zeros((), jnp.int32),

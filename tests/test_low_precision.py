@@ -75,7 +75,7 @@ def test_plain_half_never_moves_kahan_tracks_float32(dtype, variant):
   ulp = _ulp(ref, dtype)
   err = np.abs(np.asarray(p.astype(jnp.float32) - ref) / ulp)
   assert err.max() <= 1.0, err.max()
-  total = p.astype(jnp.float32) + state.compensation.astype(jnp.float32)
+  total = p.astype(jnp.float32) + state.residual()
   assert np.abs(np.asarray(total - ref) / ulp).max() <= 0.5
   # The plain run is off by several ulps on average.
   assert np.mean(np.asarray(plain.astype(jnp.float32) - ref) / ulp) > 3
@@ -109,19 +109,56 @@ def test_kahan_updates_land_exactly_on_the_compensated_sum(dtype):
   state = opt.init(params)
   for _ in range(5):   # Large, sign-changing updates: params cross zero.
     grads = jnp.asarray(rng.standard_normal(512), dtype)
-    c = state.compensation
+    c = state.residual()
     sgd_u, _ = optax.sgd(0.3).update(grads, optax.sgd(0.3).init(params))
-    s = params.astype(jnp.float32) + (sgd_u.astype(jnp.float32)
-                                      + c.astype(jnp.float32))
+    s = params.astype(jnp.float32) + (sgd_u.astype(jnp.float32) + c)
     updates, state = opt.update(grads, state, params)
     assert_dtype(updates, jnp.float32)
     new = optax.apply_updates(params, updates)
     assert_dtype(new, dtype)
     np.testing.assert_array_equal(np.asarray(new), np.asarray(s.astype(dtype)))
+    # float16 buffers hold the error times 2**11 (exact: a power of two).
+    scale = 2.0**11 if dtype == jnp.float16 else 1.0
     np.testing.assert_array_equal(
         np.asarray(state.compensation),
-        np.asarray((s - new.astype(jnp.float32)).astype(dtype)))
+        np.asarray(((s - new.astype(jnp.float32)) * scale).astype(dtype)))
     params = new
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("p0", [2e-4, 3e-3, 3e-2, 1.0, 3e4])
+def test_kahan_carries_tenth_ulp_updates_at_every_magnitude(dtype, p0):
+  """float16's compensation was subnormal for params below 2**-3: 100
+  updates of 0.1 ulp moved a param of 2e-4 by 0 ulps and of 3e-3 by 9."""
+  params = jnp.full((4,), p0, dtype)
+  ulp = float(_ulp(params[0].astype(jnp.float32), dtype))
+  grads = jnp.ones((4,), jnp.float32)   # float32 updates: none underflow.
+  opt = jmp_lite.kahan_summation(optax.sgd(0.1 * ulp))
+  p, state = _run(opt, params, grads, 100, jit=True)
+  assert_dtype(p, dtype)
+  moved = (params.astype(jnp.float32) - p.astype(jnp.float32)) / ulp
+  np.testing.assert_allclose(np.asarray(moved), 10.0, atol=1.0)
+  # What is carried makes up the rest of 10 ulps (less what rounding the
+  # buffer each step loses: up to 2**-9 of it in bfloat16, 2**-12 float16).
+  total = (params.astype(jnp.float32) - p.astype(jnp.float32)
+           - state.residual()) / ulp
+  np.testing.assert_allclose(np.asarray(total), 10.0, atol=0.2)
+
+
+def test_kahan_residual_unscales_float16_buffers_only():
+  params = {"h": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16),
+            "f": jnp.ones(2)}
+  opt = jmp_lite.kahan_summation(optax.sgd(1e-4))
+  _, state = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params),
+                        params)
+  residual = state.residual()
+  assert residual["f"] is None
+  for k in ("h", "b"):   # 1.0 - 1e-4 is not one half step away from 1.0.
+    assert_dtype(residual[k], jnp.float32)
+    np.testing.assert_allclose(np.asarray(residual[k]), -1e-4, rtol=1e-2)
+  np.testing.assert_allclose(
+      np.asarray(state.compensation["h"].astype(jnp.float32)),
+      -1e-4 * 2.0**11, rtol=1e-2)
 
 
 def test_float32_leaves_pass_through_without_buffer():
@@ -848,6 +885,7 @@ def test_sharded_runs_match_the_unsharded_run():
       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert proc.stdout.splitlines() == [
+      "ok init buffers keep the params' sharding",
       "ok jit with sharded params equals unsharded",
       "ok shard_map with specs equals unsharded",
       "ok shard_map without specs repeats bits across shards",

@@ -163,8 +163,23 @@ def check_replicated_data_parallel():
   print("ok shard_map replicated params stay identical")
 
 
+def check_init_keeps_param_sharding():
+  """Buffers made by init() sit where their params do (they were whole
+  arrays on device 0: a whole-model buffer on one device)."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  sharding = NamedSharding(mesh, P(None, "model"))
+  params = {"w": jax.device_put(jnp.ones((16, 64), jnp.bfloat16), sharding)}
+  kahan = make_opt().init(params)
+  accumulated = jmp_lite.accumulate_gradients(optax.sgd(1e-3), every_k=2)
+  for buffer in (kahan.compensation["w"],
+                 accumulated.init(params).acc["w"]):
+    assert buffer.sharding.is_equivalent_to(sharding, 2), buffer.sharding
+  print("ok init buffers keep the params' sharding")
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
+  check_init_keeps_param_sharding()
   reference = unsharded_run()
   check_jit_sharded(reference)
   check_shard_map_with_specs(reference)
