@@ -203,7 +203,8 @@ class Preset:
     dtype = np.dtype(jnp.float32) if self.name == "O0" else self.half
     return autocast(fn, dtype, **options)
 
-  def optimizer(self, inner: optax.GradientTransformation, *, seed: int = 0
+  def optimizer(self, inner: optax.GradientTransformation, *, seed: int = 0,
+                axis_name: Any = None, specs: Any = None
                 ) -> optax.GradientTransformation:
     """Wraps ``inner`` as this preset needs.
 
@@ -225,21 +226,41 @@ class Preset:
     round away), and with float16 every constant of ``inner`` must survive
     float16: Adam's ``eps=1e-8`` rounds to 0, so pass ``eps=1e-4`` or so.
 
+    Under ``shard_map`` (per-device gradients), pass ``axis_name`` as to
+    :func:`~jmp_lite.loss_scaled`, so that every device takes the same skip
+    and scale decision, and with stochastic rounding of sharded params
+    ``specs`` as to :func:`~jmp_lite.stochastic_rounding`, so that shards
+    draw their own random bits.
+
     Args:
       inner: the optimizer.
       seed: the stochastic rounding seed (``compensation="stochastic"``).
+      axis_name: the mapped axis (or axes) the loss scale agrees over;
+        ``None`` outside ``shard_map``/``pmap``.
+      specs: ``compensation="stochastic"`` only: the params'
+        ``PartitionSpec`` tree inside ``shard_map``.
 
     Returns:
       The wrapped optimizer.
+
+    Raises:
+      ValueError: ``specs`` with a preset that rounds nothing at random.
     """
+    stochastic = self.name == "O3" and self.compensation == "stochastic"
+    if specs is not None and not stochastic:
+      raise ValueError(
+          "specs= is for stochastic rounding (preset('O3', ...,"
+          f" compensation='stochastic')); preset {self.name} with"
+          f" compensation={self.compensation!r} draws no random bits")
+    scaled = loss_scaled(inner, self.loss_scale(), axis_name=axis_name,
+                         allow_half_state=self.name == "O3"
+                         and self.compensation is None)
     if self.name == "O3" and self.compensation is not None:
-      stored = state_dtypes(loss_scaled(inner, self.loss_scale()),
-                            O3_STATE_DTYPE)
+      stored = state_dtypes(scaled, O3_STATE_DTYPE)
       if self.compensation == "kahan":
         return kahan_summation(stored)
-      return stochastic_rounding(stored, seed=seed)
-    wrapped = loss_scaled(inner, self.loss_scale(),
-                          allow_half_state=self.name == "O3")
+      return stochastic_rounding(stored, seed=seed, specs=specs)
+    wrapped = scaled
     return master_weights(wrapped) if self.master else wrapped
 
 

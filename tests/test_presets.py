@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +94,44 @@ def test_o3_float16_moves_like_float32_adam_on_tiny_gradients(compensation):
         jmp_lite.loss_scaled(optax.adam(lr), o3.loss_scale()), "f16")
   _, last_move = run(jmp_lite.kahan_summation(half_moments))
   assert last_move > 4 * lr  # What storing the moments in bfloat16 avoids.
+
+
+@pytest.mark.parametrize("level,compensation", [
+    ("O1", "auto"), ("O2", "auto"), ("O3", "kahan"), ("O3", "stochastic")])
+def test_preset_optimizers_agree_over_axis_name(level, compensation):
+  """Preset.optimizer took no axis_name=: per-device gradients under
+  shard_map could not share one skip decision and one scale."""
+  half = jnp.bfloat16 if level == "O3" else jnp.float32
+  opt = preset(level, half="f16", compensation=compensation).optimizer(
+      optax.adam(1e-3), axis_name="devices")
+  params = {"w": jnp.ones(4, half)}
+  state = opt.init(params)
+  # Two "devices" (vmap with an axis name runs the collectives) holding the
+  # same params and state; only the second one's gradients overflow.
+  grads = {"w": jnp.stack([jnp.full(4, 1.0), jnp.full(4, jnp.inf)])}
+  step = jax.vmap(lambda g, p, s: jmp_lite.update_and_apply(opt, g, s, p),
+                  in_axes=(0, None, None), axis_name="devices")
+  new_params, new_state = step(grads, params, state)
+  chex.assert_trees_all_equal(   # Both skipped.
+      new_params, jax.tree.map(lambda p: jnp.stack([p, p]), params))
+  halved = float(jmp_lite.current_loss_scale(state).loss_scale) / 2
+  np.testing.assert_array_equal(   # One scale on both devices.
+      np.asarray(jmp_lite.current_loss_scale(new_state).loss_scale),
+      [halved, halved])
+
+
+def test_preset_specs_only_with_stochastic_rounding():
+  spec = {"w": jax.sharding.PartitionSpec()}
+  with pytest.raises(ValueError, match="specs= is for stochastic rounding"):
+    preset("O3", half="bf16").optimizer(optax.adam(1e-3), specs=spec)
+  with pytest.raises(ValueError, match="preset O2"):
+    preset("O2", half="bf16").optimizer(optax.adam(1e-3), specs=spec)
+  opt = preset("O3", half="bf16", compensation="stochastic").optimizer(
+      optax.adam(1e-3), specs=spec)
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  new_params, _ = jmp_lite.update_and_apply(
+      opt, {"w": jnp.ones(3, jnp.bfloat16)}, opt.init(params), params)
+  assert_dtype(new_params["w"], jnp.bfloat16)
 
 
 def test_o3_without_compensation_is_the_plain_pure_half_recipe():
