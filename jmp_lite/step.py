@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import numbers
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -249,8 +250,10 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
   :func:`jmp_lite.step.formulation` says which path a state takes, and why.
   No host syncs either way. Jit the train step with ``donate_argnums`` for
   params and optimizer state: nothing here keeps the old buffers alive.
-  A ``flax.nnx.Optimizer``'s ``opt_state`` (arrays wrapped in nnx
-  variables) is accepted; the state comes back with plain arrays.
+  Params and state come back in the pytree structure they were given in,
+  nnx variables included (``nnx.split`` states, a ``flax.nnx.Optimizer``'s
+  ``opt_state``), as optax returns them: a jitted step traces once and a
+  ``lax.scan`` carry keeps its structure.
 
   Args:
     optimizer: an ``optax.GradientTransformation``.
@@ -287,7 +290,35 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
     raise ValueError(
         "update_and_apply needs the params to apply the updates to: call"
         " update_and_apply(optimizer, grads, opt_state, params)")
+  given_params, given_state = params, opt_state
   grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
+  new_params, new_state = _step(optimizer, grads, opt_state, params, extra)
+  # Back in the structures they came in (nnx variables included): a jitted
+  # step or a lax.scan carry must see the same pytree on every call.
+  return (_restructured(given_params, new_params),
+          _restructured(given_state, new_state))
+
+
+def _restructured(like: Any, tree: Any) -> Any:
+  """``tree``'s leaves in ``like``'s pytree structure, when that holds nnx
+  variables whose unwrapping gave ``tree``'s structure; else ``tree``."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return tree
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  nodes = jax.tree.leaves(like, is_leaf=is_variable)
+  if not any(is_variable(x) for x in nodes):
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  if jax.tree.structure(unwrap_nnx(like)) != treedef:
+    return tree
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _step(optimizer: optax.GradientTransformation, grads: Any,
+          opt_state: Any, params: Any,
+          extra: dict[str, Any]) -> tuple[Any, Any]:
+  """:func:`update_and_apply` on plain pytrees."""
   kind, _, guard = _plan(opt_state, _largest_gradient(grads))
   if kind == "update":
     updates, new_state = optimizer.update(grads, opt_state, params, **extra)

@@ -760,6 +760,49 @@ def test_nnx_optimizer_state_gives_plain_arrays():
   assert isinstance(state.total_skips, jax.Array)
 
 
+@pytest.mark.parametrize("skip_with", ["cond", "select", None])
+def test_nnx_split_states_keep_their_structure(skip_with):
+  """update_and_apply returned nnx.split params and state with the Param
+  wrappers stripped: a jitted functional step traced twice and a lax.scan
+  over steps raised (found by a review helper)."""
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  _, params, _ = nnx.split(model, nnx.Param, ...)
+  tx = (optax.adam(1e-3) if skip_with is None else jmp_lite.loss_scaled(
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**4),
+      skip_with=skip_with))
+  opt_state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  new_params, new_state = jmp_lite.update_and_apply(tx, grads, opt_state,
+                                                    params)
+  updates, ref_state = tx.update(grads, opt_state, params)
+  ref_params = optax.apply_updates(params, updates)
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(opt_state)
+  chex.assert_trees_all_close((new_params, new_state), (ref_params, ref_state),
+                              rtol=1e-6)
+
+  chex.clear_trace_counter()   # Counted per code location, across params.
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, opt_state):
+    return jmp_lite.update_and_apply(
+        tx, jax.tree.map(jnp.ones_like, params), opt_state, params)
+
+  p, s = params, opt_state
+  for _ in range(3):
+    p, s = step(p, s)
+
+  def body(carry, _):
+    p, s = carry
+    return jmp_lite.update_and_apply(
+        tx, jax.tree.map(jnp.ones_like, p), s, p), None
+
+  (scanned, _), _ = jax.lax.scan(body, (params, opt_state), None, length=3)
+  chex.assert_trees_all_close(scanned, p, rtol=1e-6)
+
+
 # ------------------------------------------------------------------ docs
 
 
