@@ -467,6 +467,7 @@ def skip_nonfinite(
     decision = state if isinstance(state, Decided) else None
     own: SkipNonfiniteState = (state.state if isinstance(state, Decided)
                                else state)
+    _check_own_state(own, SkipNonfiniteState, "skip_nonfinite")
     if decision is not None:
       finite = decision.finite
       new_updates, new_inner, apply = _decided_update(
@@ -545,6 +546,17 @@ def _without_half_by_design(tree: Any) -> Any:
         else _without_half_by_design(getattr(node, f.name))
         for f in dataclasses.fields(node)})
   return jax.tree.map(strip, tree, is_leaf=designed)
+
+
+def _check_own_state(state: Any, cls: type, who: str) -> None:
+  # The usual way here: loss_scaled(...) added to a script that kept the
+  # opt_state (or TrainState) the bare optimizer made.
+  if not isinstance(state, cls):
+    raise TypeError(
+        f"{who}(...).update got a {type(state).__name__} as its state, not"
+        f" the {cls.__name__} its init makes: pass the state that"
+        f" {who}(...).init(params) returned (after wrapping an optimizer,"
+        " create its opt_state, or TrainState, again)")
 
 
 def loss_scaled(
@@ -632,7 +644,18 @@ def loss_scaled(
     Array([-0.2, -0.2], dtype=float32)
   """
   check_transformation(inner, "loss_scaled")
-  if isinstance(loss_scale, (Policy, str)):
+  if isinstance(loss_scale, str):
+    try:
+      loss_scale = default_loss_scale(loss_scale)
+    except ValueError as e:
+      raise ValueError(
+          f"loss_scaled: the loss_scale string {loss_scale!r} is read as a"
+          " policy (e.g. 'p=f32,c=f16,o=f32' or 'bf16'), whose compute dtype"
+          f" picks the default scale, and it is not one: {e}. For a chosen"
+          " schedule pass a state: jmp_lite.DynamicLossScale(2.0**15),"
+          " jmp_lite.StaticLossScale(...) or jmp_lite.NoOpLossScale()"
+      ) from None
+  elif isinstance(loss_scale, Policy):
     loss_scale = default_loss_scale(loss_scale)
   if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale,
                                  DynamicLossScale)):
@@ -690,6 +713,7 @@ def loss_scaled(
     decision = state if isinstance(state, Decided) else None
     own: LossScaledState = (state.state if isinstance(state, Decided)
                             else state)
+    _check_own_state(own, LossScaledState, "loss_scaled")
     scale = own.loss_scale
     if decision is not None:
       # Decided by update_and_apply from these very gradients.

@@ -165,6 +165,33 @@ def test_not_a_transformation():
     jmp_lite.loss_scaled(optax.sgd(0.1), 2.0**15)
 
 
+def test_loss_scale_string_that_is_no_policy_names_the_fix():
+  """'dynamic' gave only "Unknown dtype 'dynamic'" (found by a review)."""
+  with pytest.raises(ValueError, match=r"loss_scale string 'dynamic' is read"
+                     r" as a policy.*Unknown dtype 'dynamic'.*"
+                     r"DynamicLossScale\(2.0\*\*15\)"):
+    jmp_lite.loss_scaled(optax.sgd(0.1), "dynamic")
+
+
+@pytest.mark.parametrize("wrapper", ["loss_scaled", "skip_nonfinite"])
+@pytest.mark.parametrize("via", ["update", "update_and_apply"])
+def test_a_state_the_wrapper_did_not_make_is_a_clear_error(wrapper, via):
+  """A bare optimizer's state (a script that added the wrapper and kept its
+  old opt_state) raised AttributeError: 'tuple' object has no attribute
+  'loss_scale'."""
+  opt = (jmp_lite.loss_scaled(optax.adam(1e-3), "f16")
+         if wrapper == "loss_scaled"
+         else jmp_lite.skip_nonfinite(optax.adam(1e-3)))
+  params = _params()
+  old_state = optax.adam(1e-3).init(params)
+  with pytest.raises(TypeError, match=rf"{wrapper}\(...\).update got a tuple"
+                     r" as its state, not the \w+State its init makes"):
+    if via == "update":
+      opt.update(_grads(), old_state, params)
+    else:
+      jmp_lite.update_and_apply(opt, _grads(), old_state, params)
+
+
 def test_loss_scaled_unscales_before_inner_clipping():
   # The inner clip sees the true gradient norm, not the scaled one.
   scale = jmp_lite.StaticLossScale(2.0**10)
