@@ -162,7 +162,10 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
     grads: the *unscaled* gradients, in float32 (say, from a float32 run or
       after ``unscale``).
     loss_scale: a positive number or scalar array, a loss-scale state, or
-      a :func:`~jmp_lite.loss_scaled` state (its current scale).
+      an optimizer state holding one :func:`~jmp_lite.loss_scaled` state
+      (its current scale, as :func:`~jmp_lite.current_loss_scale` finds it:
+      in chains, ``master_weights``, a ``flax.nnx.Optimizer``'s
+      ``opt_state``).
     dtype: the half dtype the scaled gradients would live in.
 
   Returns:
@@ -214,7 +217,18 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
 
 def _checked_scale(loss_scale: Any) -> Any:
   """``loss_scale``'s scale value, checked where it is known (not traced)."""
-  value = loss_scale
+  # Local: jmp_lite.transforms imports modules that import this one.
+  from jmp_lite.transforms import current_loss_scale, unwrap_nnx
+  value: Any = unwrap_nnx(loss_scale)   # An nnx.Optimizer's variables.
+  numeric = (numbers.Number, jax.Array, np.ndarray, np.generic)
+  if not (hasattr(value, "loss_scale")
+          or any(isinstance(value, t) for t in numeric)):
+    # An optimizer state holding one (a chain, master_weights): as
+    # current_loss_scale finds it.
+    try:
+      value = current_loss_scale(value)
+    except (TypeError, ValueError):
+      pass   # Not one: the TypeError below names it.
   while hasattr(value, "loss_scale"):  # loss_scaled state > loss-scale state
     value = value.loss_scale
   dtype: Any = getattr(value, "dtype", None)
@@ -224,8 +238,9 @@ def _checked_scale(loss_scale: Any) -> Any:
           and (jnp.issubdtype(dtype, jnp.floating)
                or jnp.issubdtype(dtype, jnp.integer)))):
     raise TypeError(
-        "loss_scale must be a positive number, a scalar array or a loss-scale"
-        f" state, got {type(value).__name__}: {value!r}")
+        "loss_scale must be a positive number, a scalar array, a loss-scale"
+        " state or an optimizer state holding one loss_scaled state, got"
+        f" {type(value).__name__}: {value!r}")
   checked: Any = value  # A real number or array, as checked above.
   if np.ndim(checked) != 0:
     raise ValueError(
@@ -248,6 +263,11 @@ class NonfiniteOrigin:
     input_ranges: ``(min, max)`` of each floating input (NaN-aware).
     output_nonfinite: how many output elements are non-finite.
     within: the enclosing call-like primitives (``jit``, ``custom_jvp_call``).
+    scope: the JAX name stack it ran under: which layer, where the model
+      names its scopes (a linen module's path, e.g. ``.../module/blowup``;
+      Equinox class names; ``jax.named_scope``), with the transformations
+      around it (``transpose(jvp(...))`` in a backward pass). Empty where
+      nothing was named (nnx modules name no scopes).
   """
 
   primitive: str
@@ -256,11 +276,13 @@ class NonfiniteOrigin:
   input_ranges: tuple[tuple[float, float], ...]
   output_nonfinite: int
   within: tuple[str, ...]
+  scope: str = ""
 
   def __str__(self) -> str:
     ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
     where = " > ".join(self.within + (self.primitive,))
-    return (f"first non-finite value: {where} in {self.dtype} at"
+    scope = f" in scope {self.scope}" if self.scope else ""
+    return (f"first non-finite value: {where} in {self.dtype}{scope} at"
             f" {self.location}; input ranges {ranges};"
             f" {self.output_nonfinite} non-finite output element(s)")
 
@@ -280,8 +302,14 @@ def _ranges(values: Sequence[Any]) -> tuple[tuple[float, float], ...]:
   return tuple(out)
 
 
+def _scope(outer: str, eqn: Any) -> str:
+  # An inner jaxpr's name stacks are relative to the equation that calls it.
+  inner = str(eqn.source_info.name_stack)
+  return "/".join(s for s in (outer, inner) if s)
+
+
 def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-                   within: tuple[str, ...]) -> list[Any]:
+                   within: tuple[str, ...], scope: str = "") -> list[Any]:
   env: dict[Any, Any] = {}
   read = lambda a: a.val if _jaxpr.is_literal(a) else env[a]
   for var, value in zip(jaxpr.constvars, consts, strict=True):
@@ -294,7 +322,8 @@ def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     if inlined is not None:
       sub, sub_consts = inlined
       outs = _eval_checking(sub, sub_consts, invals,
-                            within + (eqn.primitive.name,))
+                            within + (eqn.primitive.name,),
+                            _scope(scope, eqn))
     else:
       outs = _jaxpr.bind(eqn, dict(eqn.params), invals)
     bad = sum(int(np.sum(~np.isfinite(np.asarray(o))))
@@ -311,7 +340,7 @@ def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             location=_jaxpr.source_location(eqn),
             dtype=floats[0] if floats else "-",
             input_ranges=_ranges(invals), output_nonfinite=bad,
-            within=within))
+            within=within, scope=_scope(scope, eqn)))
     for var, value in zip(eqn.outvars, outs, strict=True):
       env[var] = value
   return [read(v) for v in jaxpr.outvars]
@@ -336,6 +365,10 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   Returns:
     A :class:`NonfiniteOrigin`, or ``None`` if everything stayed finite.
 
+  Raises:
+    TypeError: if ``fn`` is not callable, or for traced arguments (called
+      under ``jit``): it needs concrete values.
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> def f(x):
@@ -348,6 +381,11 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   # Array leaves are traced; the rest (an Equinox module's functions and
   # static fields) is passed through as it is.
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
+  if any(_jaxpr.is_tracer(a) for a in arrays):
+    raise TypeError(
+        "find_nonfinite runs fn eagerly, primitive by primitive, on concrete"
+        " values; it got traced arguments (it was called under jit, grad or"
+        " vmap). Call it outside the jitted step, on the same inputs")
 
   def flat(*xs):
     a, k = rebuild(xs)

@@ -77,6 +77,45 @@ def test_find_nonfinite_names_the_first_primitive():
   assert jmp_lite.find_nonfinite(loss, x, w * 3) is None
 
 
+def test_find_nonfinite_names_the_layer_scope():
+  """It named flax's Dense source line, the same for every layer; the name
+  stack says which layer (found by a review)."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = lambda n, name: nn.Dense(n, dtype=jnp.float16, name=name)
+      x = jax.nn.sigmoid(dense(8, "enc")(x))   # In (0, 1).
+      x = dense(8, "blowup")(x)
+      return dense(2, "head")(jnp.tanh(x))
+
+  model = Net()
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)),
+                  jnp.float16)
+  params = model.init(jax.random.key(0), x)["params"]
+  # Representable in float16, but 8 of them times ~0.5 are not.
+  params = {**params, "blowup": {**params["blowup"], "kernel": jnp.full(
+      params["blowup"]["kernel"].shape, 4e4)}}
+  loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)
+  origin = jmp_lite.find_nonfinite(loss, params)
+  assert origin.primitive == "dot_general"
+  assert origin.scope.endswith("blowup"), origin.scope
+  assert "in scope " in str(origin) and "blowup" in str(origin)
+
+  def named(x):   # Scopes a user names count too.
+    with jax.named_scope("my_block"):
+      return jnp.log(x).sum()
+
+  assert jmp_lite.find_nonfinite(named, jnp.zeros(2)).scope == "my_block"
+
+
+def test_find_nonfinite_under_jit_says_to_call_it_eagerly():
+  f = lambda x: jnp.log(x).sum()
+  with pytest.raises(TypeError, match="runs fn eagerly.*called under jit"):
+    jax.jit(lambda x: jmp_lite.find_nonfinite(f, x))(jnp.zeros(2))
+
+
 def test_find_nonfinite_in_float16_overflow_and_gradients():
   def f(x):
     return (x * x).sum()
@@ -196,12 +235,31 @@ def test_gradient_health_takes_traced_and_state_scales():
   grads = {"w": jnp.array([1.0, 2.0])}
   want = float(np.log2(65504 / 8.0))
   jitted = jax.jit(jmp_lite.gradient_health)
-  for scale in (4.0, jnp.float32(4.0), jmp_lite.StaticLossScale(4.0),
-                jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(
-                    4.0)).init(grads)):
+  static = jmp_lite.StaticLossScale(4.0)
+  for scale in (4.0, jnp.float32(4.0), static,
+                jmp_lite.loss_scaled(optax.sgd(0.1), static).init(grads)):
     for fn in (jmp_lite.gradient_health, jitted):
       assert float(fn(grads, scale).headroom_bits) == pytest.approx(
           want, rel=1e-5)
+
+
+def test_gradient_health_takes_any_optimizer_state_holding_a_guard():
+  """A master_weights state and an nnx.Optimizer's opt_state raised
+  TypeError, though current_loss_scale reads both (found by a review)."""
+  nnx = pytest.importorskip("flax.nnx")
+  grads = {"w": jnp.array([1.0, 2.0])}
+  want = float(np.log2(65504 / 8.0))
+  guard = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+  master = jmp_lite.master_weights(guard).init(
+      {"w": jnp.ones(2, jnp.float16)})
+  nnx_state = nnx.Optimizer(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), guard,
+                            wrt=nnx.Param).opt_state
+  for state in (master, nnx_state):
+    assert float(jmp_lite.gradient_health(grads, state).headroom_bits) == (
+        pytest.approx(want, rel=1e-5))
+  with pytest.raises(TypeError, match="an optimizer state holding one"
+                     " loss_scaled state, got tuple"):
+    jmp_lite.gradient_health(grads, optax.sgd(0.1).init(grads))
 
 
 def test_diagnostics_bad_inputs_fail_early():
