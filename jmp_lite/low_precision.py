@@ -85,11 +85,13 @@ class KahanState:
 
     Example:
       >>> import jax.numpy as jnp, optax, jmp_lite
-      >>> opt = jmp_lite.kahan_summation(optax.sgd(1e-3))
+      >>> opt = jmp_lite.kahan_summation(optax.sgd(2.0**-14))
       >>> p = jnp.ones(2, jnp.float16)
       >>> u, state = opt.update(jnp.ones(2, jnp.float16), opt.init(p), p)
-      >>> state.residual()   # -1e-3 is not a float16 step away from 1.0
-      Array([-0.001, -0.001], dtype=float32)
+      >>> state.residual() * 2**14   # Under half a float16 step of 1.0.
+      Array([-1., -1.], dtype=float32)
+      >>> state.compensation   # What is stored: 2**-14 times 2**11.
+      Array([-0.125, -0.125], dtype=float16)
     """
     return jax.tree.map(
         lambda c: c.astype(_F32) / _compensation_scale(c.dtype),
