@@ -967,6 +967,43 @@ def test_float32_attention_sows_its_weights_into_intermediates():
     chex.assert_trees_all_close(sown, expected, atol=atol)
 
 
+class DropoutAttention(nn.Module):
+  attention_fn: Any
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.MultiHeadDotProductAttention(
+        num_heads=2, dropout_rate=0.5, attention_fn=self.attention_fn)(
+            x, x, deterministic=False, sow_weights=True)
+
+
+def test_float32_attention_applies_linens_attention_dropout():
+  """Linen passes only the keyword arguments attention_fn names; with
+  **kwargs it got no dropout_rng/dropout_rate: attention dropout was off,
+  silently (found by a review)."""
+  x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+  rngs = {"dropout": jax.random.key(7)}
+  variables = DropoutAttention(nn.dot_product_attention).init(
+      jax.random.key(0), x)
+  outs = {}
+  for name, fn in (("flax", nn.dot_product_attention),
+                   ("fp32", jl.dot_product_attention_fp32)):
+    outs[name] = DropoutAttention(fn).apply(
+        variables, x, rngs=rngs, mutable=["intermediates"])
+  (y, sown), (ref, ref_sown) = outs["fp32"], outs["flax"]
+  chex.assert_trees_all_close(y, ref, atol=1e-5)   # The same dropout mask.
+  no_dropout = DropoutAttention(nn.dot_product_attention).apply(
+      variables, x, rngs={"dropout": jax.random.key(8)},
+      mutable=["intermediates"])[0]
+  assert not np.allclose(np.asarray(y), np.asarray(no_dropout), atol=1e-3)
+  # Sown before dropout, as Flax sows: rows are softmaxes.
+  weights = sown["intermediates"]["MultiHeadDotProductAttention_0"][
+      "attention_weights"][0]
+  chex.assert_trees_all_close(weights.sum(-1), jnp.ones(weights.shape[:-1]),
+                              atol=1e-5)
+  chex.assert_trees_all_close(sown, ref_sown, atol=1e-6)
+
+
 def test_float32_attention_names_a_bad_module():
   q = jnp.ones((1, 3, 2, 4))
   with pytest.raises(TypeError, match="module= must be a flax linen or nnx"):

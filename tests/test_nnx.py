@@ -499,6 +499,29 @@ def test_float32_attention_sows_its_weights_into_nnx_intermediates():
     assert not sown(model)   # Without sow_weights nothing is sown.
 
 
+def test_float32_attention_sows_before_nnx_dropout():
+  """It sowed the weights after dropout (zeros, rows scaled by 2): Flax
+  sows the softmax (found by a review)."""
+  from jmp_lite.linen import dot_product_attention_fp32
+
+  def run(fn):
+    model = nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False,
+                                   dropout_rate=0.5, attention_fn=fn,
+                                   rngs=nnx.Rngs(0, dropout=5))
+    return nnx.capture(model, nnx.Intermediate)(
+        x, deterministic=False, sow_weights=True)
+
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  (y, sown), (ref, ref_sown) = run(dot_product_attention_fp32), run(
+      nnx.dot_product_attention)
+  chex.assert_trees_all_close(y, ref, atol=1e-5)   # Same dropout mask.
+  weights = sown["attention_weights"][0]
+  chex.assert_trees_all_close(weights.sum(-1), jnp.ones(weights.shape[:-1]),
+                              atol=1e-5)
+  chex.assert_trees_all_close(weights, ref_sown["attention_weights"][0],
+                              atol=1e-6)
+
+
 def test_tabulate_lists_the_wrapped_models_modules_every_time():
   """nnx.tabulate listed the submodules once, then raised KeyError."""
   model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
