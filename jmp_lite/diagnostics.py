@@ -227,7 +227,12 @@ def _checked_scale(loss_scale: Any) -> Any:
     # current_loss_scale finds it.
     try:
       value = current_loss_scale(value)
-    except (TypeError, ValueError):
+    except ValueError as e:
+      if not str(e).startswith("No loss_scaled state"):   # Several of them.
+        raise ValueError(
+            f"gradient_health: {e}; or pass"
+            " loss_scale=jmp_lite.current_loss_scale(state, name)") from None
+    except TypeError:
       pass   # Not one: the TypeError below names it.
   while hasattr(value, "loss_scale"):  # loss_scaled state > loss-scale state
     value = value.loss_scale
@@ -237,10 +242,12 @@ def _checked_scale(loss_scale: Any) -> Any:
       or (isinstance(value, (jax.Array, np.ndarray, np.generic))
           and (jnp.issubdtype(dtype, jnp.floating)
                or jnp.issubdtype(dtype, jnp.integer)))):
+    shown = repr(value)   # An optimizer state's repr can be megabytes.
+    shown = shown if len(shown) <= 200 else shown[:200] + " ..."
     raise TypeError(
         "loss_scale must be a positive number, a scalar array, a loss-scale"
         " state or an optimizer state holding one loss_scaled state, got"
-        f" {type(value).__name__}: {value!r}")
+        f" {type(value).__name__}: {shown}")
   checked: Any = value  # A real number or array, as checked above.
   if np.ndim(checked) != 0:
     raise ValueError(

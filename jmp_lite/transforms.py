@@ -556,7 +556,8 @@ def _check_own_state(state: Any, cls: type, who: str) -> None:
         f"{who}(...).update got a {type(state).__name__} as its state, not"
         f" the {cls.__name__} its init makes: pass the state that"
         f" {who}(...).init(params) returned (after wrapping an optimizer,"
-        " create its opt_state, or TrainState, again)")
+        " create its opt_state, or TrainState, again; a checkpoint restored"
+        " as plain dicts needs the state from init as its restore target)")
 
 
 def loss_scaled(

@@ -258,8 +258,18 @@ def test_gradient_health_takes_any_optimizer_state_holding_a_guard():
     assert float(jmp_lite.gradient_health(grads, state).headroom_bits) == (
         pytest.approx(want, rel=1e-5))
   with pytest.raises(TypeError, match="an optimizer state holding one"
-                     " loss_scaled state, got tuple"):
-    jmp_lite.gradient_health(grads, optax.sgd(0.1).init(grads))
+                     " loss_scaled state, got tuple") as info:
+    jmp_lite.gradient_health(grads, optax.adam(0.1).init(
+        {"w": jnp.ones((256, 256))}))
+  assert len(str(info.value)) < 500   # Not the state's whole repr.
+  two = optax.multi_transform(
+      {k: jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0),
+                               name=k) for k in ("a", "b")},
+      {"a": "a", "b": "b"})
+  with pytest.raises(ValueError, match="2 loss_scaled states found.*"
+                     r"current_loss_scale\(state, name\)"):
+    jmp_lite.gradient_health(grads, two.init({"a": jnp.ones(2),
+                                              "b": jnp.ones(2)}))
 
 
 def test_diagnostics_bad_inputs_fail_early():
