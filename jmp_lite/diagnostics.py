@@ -399,6 +399,11 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     return fn(*a, **k)
 
   closed, _ = _jaxpr.trace(flat, *arrays)
+  if any(_jaxpr.is_tracer(c) for c in closed.consts):   # Closed over.
+    raise TypeError(
+        "find_nonfinite runs fn eagerly, primitive by primitive, on concrete"
+        " values; fn closes over traced values (it was called under jit,"
+        " grad or vmap). Call it outside the jitted step, on the same inputs")
   try:
     _eval_checking(closed.jaxpr, closed.consts, arrays, ())
   except _Found as found:

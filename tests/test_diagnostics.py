@@ -114,6 +114,8 @@ def test_find_nonfinite_under_jit_says_to_call_it_eagerly():
   f = lambda x: jnp.log(x).sum()
   with pytest.raises(TypeError, match="runs fn eagerly.*called under jit"):
     jax.jit(lambda x: jmp_lite.find_nonfinite(f, x))(jnp.zeros(2))
+  with pytest.raises(TypeError, match="closes over traced values"):
+    jax.jit(lambda x: jmp_lite.find_nonfinite(lambda: f(x)))(jnp.zeros(2))
 
 
 def test_find_nonfinite_in_float16_overflow_and_gradients():
