@@ -49,6 +49,7 @@ import difflib
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -78,10 +79,19 @@ FLOAT32: tuple[str, ...] = (
 
 _FLOAT32_SCOPE = "jmp_lite_float32"
 _HALF_SCOPE = "jmp_lite_half"
+# What an autocast call runs in: an autocast around it leaves it as written
+# (the innermost autocast decides, as nested torch.autocast regions do).
+_AUTOCAST_SCOPE = "jmp_lite_autocast"
 
 _INTEGER_ONLY = {"and", "or", "not", "xor", "shift_left",
                  "shift_right_logical", "shift_right_arithmetic",
                  "population_count", "clz"}
+# Primitives whose result depends on the exact float dtype of their inputs
+# (bit patterns, ulps) or that hand values to host code expecting the types
+# the function was written with: they run on the as-written types.
+_AS_WRITTEN = frozenset({
+    "bitcast_convert_type", "nextafter", "pure_callback", "io_callback",
+    "debug_callback", "reduce_precision"})
 _CASTABLE = frozenset({np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
                        np.dtype(jnp.float16)})
 _F32 = np.dtype(jnp.float32)
@@ -246,7 +256,8 @@ class _Retyper:
       return hit[1]
     scopes = set(str(stack).split("/"))
     cfg = self.cfg
-    if _FLOAT32_SCOPE in scopes or not scopes.isdisjoint(cfg.exclude):
+    if (_FLOAT32_SCOPE in scopes or _AUTOCAST_SCOPE in scopes
+        or not scopes.isdisjoint(cfg.exclude)):
       found: str | None = "off"
     elif _HALF_SCOPE in scopes or not scopes.isdisjoint(cfg.force):
       found = "force"
@@ -348,8 +359,8 @@ class _Retyper:
     cfg = self.cfg
     name = eqn.primitive.name
     params = eqn.params
-    if mode == "off" or any(v.aval.dtype in _WIDE
-                            for v in (*eqn.invars, *eqn.outvars)):
+    if mode == "off" or name in _AS_WRITTEN or any(
+        v.aval.dtype in _WIDE for v in (*eqn.invars, *eqn.outvars)):
       # float64 is never touched, so an equation that reads or makes it runs
       # as written, float32 operands beside it included, as in plain JAX
       # (``dot_general`` takes mixed operands): re-typing only the float32
@@ -620,6 +631,18 @@ def _run(fn: Callable[..., Any], cfg: _Config, args: tuple, kwargs: dict,
   With a delayed FP8 recipe, ``fp8_state``'s arrays are traced as extra
   inputs (``fn`` never sees them) that the top-level matmuls read.
   """
+  nnx = sys.modules.get("flax.nnx")   # Loaded if any nnx object exists.
+  if nnx is not None and any(
+      nnx.graph.is_graph_node(x) for x in jax.tree.leaves(
+          (args, kwargs), is_leaf=nnx.graph.is_graph_node)):
+    return _run_nnx(nnx, fn, cfg, args, kwargs, records, fp8_state)
+  return _run_arrays(fn, cfg, args, kwargs, records, fp8_state)
+
+
+def _run_arrays(fn: Callable[..., Any], cfg: _Config, args: tuple,
+                kwargs: dict, records: list[AuditRecord] | None,
+                fp8_state: Any) -> Any:
+  """:func:`_run` for arguments whose array leaves are all there is."""
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
   state = [] if fp8_state is None else _fp8_state_leaves(fp8_state)
   rebuild_out: list[Callable[[Sequence[Any]], Any]] = []
@@ -648,11 +671,37 @@ def _run(fn: Callable[..., Any], cfg: _Config, args: tuple, kwargs: dict,
   # constant must be differentiated like any argument).
   call_jaxpr = _jaxpr.consts_as_args(new)
   values = [*consts, *arrays, *state]
-  if any(map(_jaxpr.is_tracer, values)):
-    outs = _differentiable_call(call_jaxpr, values)
-  else:  # Eager: nothing to differentiate.
-    outs = _jaxpr.call(call_jaxpr, values)
+  with jax.named_scope(_AUTOCAST_SCOPE):
+    if any(map(_jaxpr.is_tracer, values)):
+      outs = _differentiable_call(call_jaxpr, values)
+    else:  # Eager: nothing to differentiate.
+      outs = _jaxpr.call(call_jaxpr, values)
   return rebuild_out[0](outs)
+
+
+def _run_nnx(nnx: Any, fn: Callable[..., Any], cfg: _Config, args: tuple,
+             kwargs: dict, records: list[AuditRecord] | None,
+             fp8_state: Any) -> Any:
+  """:func:`_run` for arguments holding Flax nnx objects, as ``nnx.jit``.
+
+  Traced as pure arrays, nnx modules would be copies: what ``fn`` changes
+  in them (RNG counts, batch statistics, caches) would be lost. So the
+  arguments are split into their variables and the rest, ``fn`` runs on
+  the merged copy, and the variables it leaves are written back.
+  """
+  graphdef, variables, rest = nnx.split((args, kwargs), nnx.Variable, ...)
+
+  def pure(variables: Any, rest: Any) -> Any:
+    a, k = nnx.merge(graphdef, variables, rest)
+    return fn(*a, **k), nnx.state((a, k), nnx.Variable)
+
+  # The states' variables are pytrees here: their arrays are traced.
+  result = _run_arrays(pure, cfg, (variables, rest), {}, records, fp8_state)
+  if records is not None:   # An audit: nothing ran.
+    return None
+  out, changed = result
+  nnx.update((args, kwargs), changed)
+  return out
 
 
 def _differentiable_call(jaxpr: Any, args: Sequence[Any]) -> list[Any]:

@@ -745,3 +745,82 @@ def test_audit_table_fits_fp8_names():
   header, row = str(audit).splitlines()[:2]
   assert row.split() == ["dot_general", "fp8-delayed", "float8_e4m3fn", "1"]
   assert row.rindex(" 1") == header.rindex(" count")  # Columns line up.
+
+
+# --------------------------------------------- review findings (stop 26)
+
+
+def test_nnx_module_arguments_keep_what_the_call_changes():
+  """nnx modules were traced as copies: dropout drew the same mask on every
+  call (the Rngs count never moved) and BatchNorm never updated its
+  statistics, silently."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.bn(self.lin(x)))
+
+  x = jax.random.normal(jax.random.key(0), (8, 4)) + 3.0
+  plain, cast = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  run = jmp_lite.autocast(lambda m, x: m(x), jnp.float16)
+  masks = []
+  for _ in range(2):
+    want, got = plain(x), run(cast, x)
+    assert_dtype(got, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got == 0), np.asarray(want == 0))
+    masks.append(np.asarray(got == 0))
+  assert (masks[0] != masks[1]).any()   # The RNG stream moved.
+  np.testing.assert_allclose(np.asarray(cast.bn.mean[...]),
+                             np.asarray(plain.bn.mean[...]), rtol=1e-2,
+                             atol=1e-3)
+  assert_dtype(cast.bn.mean[...], jnp.float32)
+  # Under nnx.jit too, and the audit still sees the half matmul.
+  jitted = nnx.jit(run)
+  before = np.asarray(cast.bn.mean[...])
+  jitted(cast, x + 1.0)
+  assert not np.allclose(np.asarray(cast.bn.mean[...]), before)
+  audit = jmp_lite.autocast_audit(lambda m, x: m(x), jnp.float16, cast, x)
+  assert [r.dtype for r in audit.records
+          if r.primitive == "dot_general"] == ["float16"]
+
+
+def test_dtype_exact_primitives_and_callbacks_run_as_written():
+  """An op autocast runs in float32 (exp) fed nextafter, bitcast and host
+  callbacks its float32 result where the code wrote float16."""
+  x = jnp.asarray([0.5, 1.0, 2.0], jnp.float16)
+
+  def bits(x):
+    return jax.lax.bitcast_convert_type(jnp.exp(x), jnp.int16)
+
+  def toward_zero(x):
+    return jnp.nextafter(jnp.exp(x), jnp.zeros_like(x))
+
+  def host(x):
+    return jax.pure_callback(lambda v: np.asarray(v) * 2,
+                             jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             jnp.exp(x))
+
+  for fn in (bits, toward_zero, host):
+    got = jmp_lite.autocast(fn, jnp.float16)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(fn(x)))
+    assert got.dtype == fn(x).dtype and got.shape == fn(x).shape
+
+
+@pytest.mark.parametrize("inner", [jnp.bfloat16, jnp.float32])
+def test_the_innermost_autocast_decides(inner):
+  """An autocast inside another one was re-typed by the outer: its matmuls
+  ran in the outer's dtype."""
+  def f(x, w):
+    return jnp.tanh(x @ w) @ w
+
+  outer = jmp_lite.autocast(
+      lambda x, w: jmp_lite.autocast(f, inner)(x, w) + x @ w, jnp.float16)
+  x = jnp.ones((4, 4))
+  found = _eqn_dtypes(jax.make_jaxpr(outer)(x, x), "dot_general")
+  name = jnp.dtype(inner).name
+  assert sorted(found) == sorted([(name, name)] * 2 + [("float16",) * 2])
