@@ -176,9 +176,13 @@ def _multiply(tree: T, factor: jax.Array) -> T:
 
   Half-precision leaves are multiplied in float32 and cast back: a float16
   scale cannot even hold 2**16, while ``small_loss * 2**16`` often fits.
+  Python floats are floating values too: they come back as float32 arrays
+  (as jmp's ``x * loss_scale`` gives), not unscaled.
   """
 
   def mul(x: Any) -> Any:
+    if isinstance(x, float):   # Not bool or int: those are not floating.
+      return jnp.asarray(x, jnp.float32) * jnp.asarray(factor, jnp.float32)
     if not _dtypes.is_inexact_array(x):
       return x
     wide = _dtypes.at_least_float32(x.dtype)
@@ -197,8 +201,9 @@ class _MultiplyingScale:
     """Multiplies the inexact leaves of ``tree`` by the scale.
 
     Args:
-      tree: a loss or any pytree; each leaf keeps its dtype (half-precision
-        leaves are multiplied in float32, then cast back).
+      tree: a loss or any pytree; each array leaf keeps its dtype
+        (half-precision leaves are multiplied in float32, then cast back),
+        a Python float becomes a float32 array, non-floating leaves pass.
 
     Returns:
       The scaled tree.
@@ -209,7 +214,8 @@ class _MultiplyingScale:
     """Multiplies the inexact leaves of ``tree`` by ``1 / loss_scale``.
 
     Args:
-      tree: gradients or any pytree; each leaf keeps its dtype.
+      tree: gradients or any pytree; each array leaf keeps its dtype, a
+        Python float becomes a float32 array, non-floating leaves pass.
 
     Returns:
       The unscaled tree.

@@ -185,6 +185,21 @@ def test_scale_and_unscale_skip_non_float_leaves():
   chex.assert_trees_all_equal(out["f"], tree["f"])
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_python_floats_are_scaled_as_jmp_scales_them(jit):
+  """They passed through unscaled (jmp multiplies them); ints and bools are
+  not floating and still pass."""
+  run = jax.jit if jit else (lambda f: f)
+  for state in (jmp_lite.StaticLossScale(2.0),
+                jmp_lite.DynamicLossScale(2.0**10)):
+    tree = {"loss": 0.5, "i": 3, "b": True}
+    scaled = run(state.scale)(tree)
+    assert_dtype(scaled["loss"], jnp.float32)
+    assert float(scaled["loss"]) == 0.5 * float(state.loss_scale)
+    assert int(scaled["i"]) == 3 and bool(scaled["b"])   # Not scaled.
+    assert float(run(state.unscale)(scaled)["loss"]) == 0.5
+
+
 def _all_states():
   return [
       jmp_lite.NoOpLossScale(),
