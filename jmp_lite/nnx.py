@@ -499,6 +499,12 @@ def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
     value = var.get_value()
     if path in given and _unchanged(value, given[path]):
       continue
+    if path not in stored:
+      # Made by the call (an attention layer's init_cache fills attributes
+      # declared as nnx.data(None)): nnx.update cannot put a variable where
+      # the stored module holds no subgraph, so it is set in place.
+      _set_new(self, path, var)
+      continue
     old = stored.get(path)
     if old is not None:
       old_value = old.get_value()
@@ -509,6 +515,17 @@ def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
     changed.append((path, var))
   if changed:
     nnx.update(self, nnx.from_flat_state(changed))
+
+
+def _set_new(root: nnx.Module, path: tuple, var: Any) -> None:
+  """Sets a variable the call created at ``path`` below ``root``."""
+  owner: Any = root
+  for key in path[:-1]:
+    owner = owner[key] if isinstance(key, int) else getattr(owner, key)
+  if isinstance(path[-1], int):
+    owner[path[-1]] = var
+  else:
+    setattr(owner, path[-1], var)
 
 
 def mixed_precision(

@@ -522,6 +522,46 @@ def test_float32_attention_sows_before_nnx_dropout():
                               atol=1e-6)
 
 
+class CachedDecoder(nnx.Module):
+  """A decoder as Flax's examples write one: the cache made by a method."""
+
+  def __init__(self):
+    self.attn = nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0))
+    self.out = nnx.Linear(16, 5, rngs=nnx.Rngs(1))
+
+  def init_cache(self, shape, dtype):
+    self.attn.init_cache(shape, dtype=dtype)
+
+  def __call__(self, x):
+    return self.out(self.attn(x))
+
+
+@pytest.mark.parametrize("jit_init", [False, True])
+def test_init_cache_through_the_wrapper_then_decode(jit_init):
+  """A method that makes variables where the model declared nnx.data(None)
+  (attention's cache) raised 'Expected a subgraph for cache_index'."""
+  x = jax.random.normal(jax.random.key(0), (1, 4, 16))
+  bare = CachedDecoder()
+  bare.init_cache((1, 4, 16), jnp.float32)
+  want = [bare(x[:, i:i + 1]) for i in range(4)]
+  model = jnnx.mixed_precision(CachedDecoder(), "p=f32,c=bf16,o=f32")
+  make = lambda m: m.init_cache((1, 4, 16), jnp.bfloat16)
+  nnx.jit(make)(model) if jit_init else make(model)
+  assert_dtype(model.attn.cached_key[...], jnp.bfloat16)
+  step = nnx.jit(lambda m, t: m(t))
+  for i in range(4):
+    got = step(model, x[:, i:i + 1])
+    assert_dtype(got, jnp.float32)
+    chex.assert_trees_all_close(got, want[i], atol=5e-2)
+  assert int(model.attn.cache_index[...]) == 4
+  # The wrapped attention layer's own init_cache too.
+  alone = jnnx.mixed_precision(
+      nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0)),
+      "p=f32,c=bf16,o=f32")
+  alone.init_cache((1, 4, 16), dtype=jnp.bfloat16)
+  assert_dtype(alone(x[:, :1]), jnp.float32)
+
+
 def test_tabulate_lists_the_wrapped_models_modules_every_time():
   """nnx.tabulate listed the submodules once, then raised KeyError."""
   model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
