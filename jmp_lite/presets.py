@@ -19,9 +19,11 @@
      - no autocast
    * - ``O1``
      - float32
-     - half for Dense/Conv/Einsum/attention layers; their outputs stay half,
-       so code between layers runs in half after them (per-op float32 for
-       exp/log/softmax: ``jmp_lite.autocast``)
+     - half for Dense/Conv/Einsum layers (attention layers' projections
+       included; the score and value products run in the attention layer's
+       own dtype, float32 here); their outputs stay half, so code between
+       layers runs in half after them (per-op float32 for exp/log/softmax:
+       ``jmp_lite.autocast``)
      - loss scaling if float16
      - O1
      - O1
