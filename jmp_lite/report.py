@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
+import itertools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +39,10 @@ Path = tuple[str, ...]
 _MATMULS = ("dot_general", "conv_general_dilated")
 _TOKEN = "jmp_lite_module_"
 _TOKEN_RE = re.compile(_TOKEN + r"(\d+)")
+# One per outermost call of a module, to count the calls that made it into
+# the final computation.
+_CALL = "jmp_lite_call_"
+_CALL_RE = re.compile(_CALL + r"(\d+)")
 # A scope name in a name stack, however transforms wrap it
 # (`transpose(jvp(jmp_lite_float32))`).
 _FLOAT32_RE = re.compile(r"(?<![\w])" + _FLOAT32_SCOPE + r"(?![\w])")
@@ -72,7 +77,11 @@ class ReportRow:
     path: module path (``""`` for the root).
     cls: module class name.
     policy: the policy string the module resolved to.
-    calls: how many times it was called in the traced function.
+    calls: how many of its calls are in the traced computation: a module
+      shared by two places counts 2, a call into its own superclass's
+      method (``SelfAttention``) is one, and a ``scan``-ned body counts
+      once, as it is traced once (a trace the model discards, such as a
+      lifted transform's shape pass, is not counted).
     stored: dtypes of its own params as stored.
     read: dtypes of its own params as the module read them.
     inputs: floating dtypes of its inputs after casting.
@@ -164,6 +173,7 @@ class _Module:
   policy: Any
   fp8: Any = None
   calls: int = 0
+  call_ids: set[int] = dataclasses.field(default_factory=set)
   inputs: set[str] = dataclasses.field(default_factory=set)
   outputs: set[str] = dataclasses.field(default_factory=set)
   read: set[str] = dataclasses.field(default_factory=set)
@@ -191,6 +201,10 @@ class Recorder:
   def __init__(self) -> None:
     self.modules: dict[Path, _Module] = {}
     self.prefix: Path = ()
+    # Shared with nested recorders: calls open per module path, and the
+    # next call id.
+    self.open: dict[Path, int] = {}
+    self.ids = itertools.count()
 
   def under(self, prefix: Path) -> Recorder:
     """This recorder, for a nested policy's modules at ``prefix``.
@@ -207,6 +221,7 @@ class Recorder:
     nested = Recorder()
     nested.modules = self.modules
     nested.prefix = self.prefix + tuple(prefix)
+    nested.open, nested.ids = self.open, self.ids
     return nested
 
   def _module(self, path: Path, cls: type, policy: Any,
@@ -231,8 +246,20 @@ class Recorder:
       Nothing; trace the module's call inside.
     """
     module = self._module(path, cls, policy, fp8)
-    with jax.named_scope(f"{_TOKEN}{module.token}"):
-      yield
+    full = self.prefix + tuple(path)
+    outermost = not self.open.get(full)
+    self.open[full] = self.open.get(full, 0) + 1
+    try:
+      with jax.named_scope(f"{_TOKEN}{module.token}"):
+        if outermost:   # A module calling its own super() is one call.
+          call_id = next(self.ids)
+          module.call_ids.add(call_id)
+          with jax.named_scope(f"{_CALL}{call_id}"):
+            yield
+        else:
+          yield
+    finally:
+      self.open[full] -= 1
 
   def call(self, path: Path, cls: type, policy: Any, inputs: Any,
            outputs: Any, params_read: Any) -> None:
@@ -247,7 +274,8 @@ class Recorder:
       params_read: its own params as it read them.
     """
     module = self._module(path, cls, policy)
-    module.calls += 1
+    if not self.open.get(self.prefix + tuple(path)):   # Outermost only.
+      module.calls += 1
     module.inputs.add(_float_dtypes(inputs))
     module.outputs.add(_float_dtypes(outputs))
     module.read.add(_float_dtypes(params_read))
@@ -266,8 +294,13 @@ class Recorder:
       The :class:`DtypeReport`.
     """
     ops = _matmul_dtypes_by_scope(closed_jaxpr)
+    in_jaxpr = _call_ids(closed_jaxpr)
     rows = []
     for path, m in self.modules.items():
+      # Calls whose code is in the computation; a module that traced no
+      # equation at all has only the count of calls made.
+      kept = m.call_ids & in_jaxpr
+      calls = len(kept) if kept else m.calls
       traced = ops.get(m.token, set())
       computed = {name for name, _ in traced}
       computed_names = ",".join(sorted(computed)) or "-"
@@ -289,7 +322,7 @@ class Recorder:
       own = stored.get(path, {})
       rows.append(ReportRow(
           path="/".join(path), cls=m.cls.__name__, policy=str(m.policy),
-          calls=m.calls, stored=_float_dtypes(own),
+          calls=calls, stored=_float_dtypes(own),
           read=_join(m.read), inputs=_join(m.inputs),
           outputs=_join(m.outputs), computed=computed_names,
           param_bytes=tree_bytes(own), note=note))
@@ -301,6 +334,21 @@ class Recorder:
 def _join(names: set[str]) -> str:
   parts = sorted({p for n in names for p in n.split(",") if p != "-"})
   return ",".join(parts) if parts else "-"
+
+
+def _call_ids(closed_jaxpr: Any) -> set[int]:
+  """The module call ids in any equation's name stack (sub-jaxprs too)."""
+  out: set[int] = set()
+
+  def walk(jaxpr: Any, prefix: str) -> None:
+    for eqn in jaxpr.eqns:
+      stack = prefix + "/" + str(eqn.source_info.name_stack)
+      out.update(int(m.group(1)) for m in _CALL_RE.finditer(stack))
+      for sub in jex.jaxprs_in_params(eqn.params):
+        walk(sub, stack)
+
+  walk(closed_jaxpr.jaxpr, "")
+  return out
 
 
 def _matmul_dtypes_by_scope(closed_jaxpr: Any

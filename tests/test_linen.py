@@ -432,6 +432,13 @@ class SharedAndScanned(nn.Module):
     return CastsItself(name="own_cast")(x)
 
 
+class SelfAttending(nn.MultiHeadDotProductAttention):
+  """Flax's SelfAttention pattern: a subclass calling super().__call__."""
+
+  def __call__(self, x):
+    return super().__call__(x, x, deterministic=True)
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_dtype_report_reads_the_computation(frozen):
   """Point 2: dtypes from the jaxpr, mismatches flagged, no double count."""
@@ -450,6 +457,7 @@ def test_dtype_report_reads_the_computation(frozen):
       x, _ = nn.scan(ScanBody, variable_axes={"params": 0},
                      split_rngs={"params": True}, length=3)(name="scan")(
                          x, None)
+      x = SelfAttending(num_heads=2, name="sa")(x[:, None, :])[:, 0]
       x = Float32Fields(name="flax_example")(x[:, None, None, :])
       return CastsItself(name="own_cast")(x)
 
@@ -461,6 +469,11 @@ def test_dtype_report_reads_the_computation(frozen):
   report = jl.dtype_report(model, variables, x)
   rows = _rows(report)
   assert rows["shared"].calls == 2
+  # A layer's call of its superclass's __call__ is one call (it was
+  # 2), and the scan body, traced once in the computation, one (it was 2,
+  # for length 3 or 7 alike: lifted scan traces the body twice).
+  assert rows["sa"].calls == 1 and rows["sa/query"].calls == 1
+  assert rows["scan"].calls == 1 and rows["scan/Dense_0"].calls == 1
   assert rows["shared"].computed == "bfloat16"
   assert rows["flax_example/Conv_0"].computed == "bfloat16"  # Not float32.
   assert rows["flax_example/Conv_0"].read == "bfloat16"
