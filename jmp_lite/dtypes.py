@@ -109,7 +109,7 @@ def parse_dtype(value: str) -> np.dtype:
   # one-letter codes such as 'f' or 'e', which would be easy typos.
   try:
     dtype = jnp.dtype(name)
-  except TypeError:
+  except (TypeError, SyntaxError):   # numpy parses ',' as a struct spec.
     dtype = None
   if dtype is not None and dtype.name == name and _is_floating(dtype):
     return dtype

@@ -162,6 +162,10 @@ def test_str_round_trips_through_get_policy(p, c, o):
     ("f32,c=bf16", ValueError, r"Malformed part 'f32'"),
     ("c=int8", ValueError, r"Unknown dtype 'int8'"),
     ("c=bool", ValueError, r"Unknown dtype 'bool'"),
+    # numpy reads ',' as a struct spec: a SyntaxError escaped before.
+    (",", ValueError, r"Unknown dtype ','"),
+    (" , ", ValueError, r"Unknown dtype ' , '"),
+    (",f16", ValueError, r"Unknown dtype ',f16'"),
     (None, TypeError, r"expects a string"),
     (jnp.float32, TypeError, r"expects a string"),
 ])
