@@ -111,7 +111,9 @@ for ax, (title, values) in zip(axes, [
 fig.tight_layout()"""),
         ("md", """\
 O2 stores bfloat16 params plus a float32 master copy in the optimizer, so its
-params + optimizer bytes are higher than O0's. Its activations are half O0's.
+params + optimizer bytes are higher than O0's. Its activations (the
+residuals beyond the stored params) are 0.57x O0's here, not half:
+they exceed the bf16-compute row's by exactly its bfloat16 params' bytes.
 O3 (the preset's default recipe) keeps no float32 copy: bfloat16 params, a
 bfloat16 Kahan compensation buffer and bfloat16 Adam moments computed in
 float32, 8 bytes per parameter against O2's 14 (`05_pure_bf16` compares it
