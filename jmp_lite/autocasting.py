@@ -49,6 +49,7 @@ import difflib
 import functools
 import inspect
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -61,6 +62,7 @@ import numpy as np
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_bool
+from jmp_lite._nnx_paths import same_leaves, set_at_path
 from jmp_lite.policy import get_policy, Policy
 
 __all__ = ["Audit", "AuditRecord", "FLOAT32", "LOWER_PRECISION", "autocast",
@@ -210,6 +212,23 @@ def _flops(eqn: Any) -> float:
   return 0.0
 
 
+# Transformations JAX writes around the scope names of the code they
+# transform ("transpose(jvp(my_block))" in a backward pass).
+_TRANSFORM_WRAPPER = re.compile(
+    r"^(?:jvp|transpose|vmap|remat|checkpoint)\((.*)\)$")
+
+
+def _scope_names(stack: Any) -> set[str]:
+  """The scope names in a name stack, unwrapped from transformations: a
+  region differentiated inside an autocast is still that region."""
+  names = set()
+  for part in str(stack).split("/"):
+    while (m := _TRANSFORM_WRAPPER.match(part)) is not None:
+      part = m.group(1)
+    names.add(part)
+  return names
+
+
 class _Retyper:
   """Rewrites jaxprs by the autocast rules; state lives for one call only.
 
@@ -254,7 +273,7 @@ class _Retyper:
     hit = self.regions.get(id(stack))
     if hit is not None:
       return hit[1]
-    scopes = set(str(stack).split("/"))
+    scopes = _scope_names(stack)
     cfg = self.cfg
     if (_FLOAT32_SCOPE in scopes or _AUTOCAST_SCOPE in scopes
         or not scopes.isdisjoint(cfg.exclude)):
@@ -487,7 +506,7 @@ class _Retyper:
     stack = _jaxpr.name_stack_of(eqn)
     hit = self.fp8_scopes.get(id(stack))
     if hit is None:
-      scopes = set(str(stack).split("/"))
+      scopes = _scope_names(stack)
       cfg = self.cfg
       ok = scopes.isdisjoint(cfg.fp8_exclude) and (
           cfg.fp8_scopes is None or not scopes.isdisjoint(cfg.fp8_scopes))
@@ -687,20 +706,39 @@ def _run_nnx(nnx: Any, fn: Callable[..., Any], cfg: _Config, args: tuple,
   Traced as pure arrays, nnx modules would be copies: what ``fn`` changes
   in them (RNG counts, batch statistics, caches) would be lost. So the
   arguments are split into their variables and the rest, ``fn`` runs on
-  the merged copy, and the variables it leaves are written back.
+  the merged copy, and the variables it changed or created are written
+  back. Only those: writing back an unchanged one would put this trace's
+  values into a module closed over from outside it (``jax.jit(lambda x:
+  autocast(f)(model, x))``), which nnx refuses, as it would for ``f``.
   """
   graphdef, variables, rest = nnx.split((args, kwargs), nnx.Variable, ...)
+  given = {path for path, _ in nnx.to_flat_state(variables)}
+  changed_paths: list[tuple[Any, ...]] = []   # Found while tracing.
 
   def pure(variables: Any, rest: Any) -> Any:
+    inputs = {path: var.get_value()
+              for path, var in nnx.to_flat_state(variables)}
     a, k = nnx.merge(graphdef, variables, rest)
-    return fn(*a, **k), nnx.state((a, k), nnx.Variable)
+    out = fn(*a, **k)
+    changed = [(path, var) for path, var in nnx.to_flat_state(
+        nnx.state((a, k), nnx.Variable))
+               if path not in inputs
+               or not same_leaves(var.get_value(), inputs[path])]
+    changed_paths[:] = [path for path, _ in changed]
+    return out, [var for _, var in changed]
 
   # The states' variables are pytrees here: their arrays are traced.
   result = _run_arrays(pure, cfg, (variables, rest), {}, records, fp8_state)
   if records is not None:   # An audit: nothing ran.
     return None
-  out, changed = result
-  nnx.update((args, kwargs), changed)
+  out, new_vars = result
+  old = [(p, v) for p, v in zip(changed_paths, new_vars, strict=True)
+         if p in given]
+  if old:
+    nnx.update((args, kwargs), nnx.from_flat_state(old))
+  for path, var in zip(changed_paths, new_vars, strict=True):
+    if path not in given:   # Created by fn where the module held none.
+      set_at_path((args, kwargs), path, var)
   return out
 
 

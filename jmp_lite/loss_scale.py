@@ -181,9 +181,11 @@ def _multiply(tree: T, factor: jax.Array) -> T:
   """
 
   def mul(x: Any) -> Any:
-    if isinstance(x, float):   # Not bool or int: those are not floating.
-      return jnp.asarray(x, jnp.float32) * jnp.asarray(factor, jnp.float32)
     if not _dtypes.is_inexact_array(x):
+      # A Python float (np.float64 is one too, but an array above: it keeps
+      # its dtype); bool and int are not floating.
+      if isinstance(x, float):
+        return jnp.asarray(x, jnp.float32) * jnp.asarray(factor, jnp.float32)
       return x
     wide = _dtypes.at_least_float32(x.dtype)
     real = jnp.finfo(wide).dtype

@@ -60,6 +60,7 @@ from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite._nnx_paths import same_leaves, set_at_path
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport
 from jmp_lite.rules import Rule
@@ -477,33 +478,19 @@ def _under_nested(path: Path, modules: dict[Path, nnx.Module]) -> bool:
              if p)
 
 
-def _unchanged(new: Any, old: Any) -> bool:
-  """Whether the call left a variable's value as it was given (leaf by leaf).
-
-  Variables may hold pytrees (delayed FP8 scaling states), which nnx rebuilds
-  around the very same arrays.
-  """
-  if new is old:
-    return True
-  new_leaves, new_def = jax.tree.flatten(new)
-  old_leaves, old_def = jax.tree.flatten(old)
-  return new_def == old_def and all(
-      a is b for a, b in zip(new_leaves, old_leaves, strict=True))
-
-
 def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
                 stored: dict) -> None:
   """Writes the variables the call changed back, in their stored dtypes."""
   changed = []
   for path, var in nnx.to_flat_state(nnx.state(tmp)):
     value = var.get_value()
-    if path in given and _unchanged(value, given[path]):
+    if path in given and same_leaves(value, given[path]):
       continue
     if path not in stored:
       # Made by the call (an attention layer's init_cache fills attributes
       # declared as nnx.data(None)): nnx.update cannot put a variable where
       # the stored module holds no subgraph, so it is set in place.
-      _set_new(self, path, var)
+      set_at_path(self, path, var)
       continue
     old = stored.get(path)
     if old is not None:
@@ -515,17 +502,6 @@ def _write_back(self: nnx.Module, tmp: nnx.Module, given: dict,
     changed.append((path, var))
   if changed:
     nnx.update(self, nnx.from_flat_state(changed))
-
-
-def _set_new(root: nnx.Module, path: tuple, var: Any) -> None:
-  """Sets a variable the call created at ``path`` below ``root``."""
-  owner: Any = root
-  for key in path[:-1]:
-    owner = owner[key] if isinstance(key, int) else getattr(owner, key)
-  if isinstance(path[-1], int):
-    owner[path[-1]] = var
-  else:
-    setattr(owner, path[-1], var)
 
 
 def mixed_precision(

@@ -824,3 +824,53 @@ def test_the_innermost_autocast_decides(inner):
   found = _eqn_dtypes(jax.make_jaxpr(outer)(x, x), "dot_general")
   name = jnp.dtype(inner).name
   assert sorted(found) == sorted([(name, name)] * 2 + [("float16",) * 2])
+
+
+def test_nnx_modules_closed_over_by_jit_grad_and_loops_still_work():
+  """Writing back every variable put inner-trace values into a module
+  closed over from outside (TraceContextError); only changed ones go back."""
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  run = jmp_lite.autocast(lambda m, x: m(x), jnp.bfloat16)
+  x = jnp.ones((2, 4))
+  want = run(model, x)
+  for traced in (jax.jit(lambda x: run(model, x)),
+                 lambda x: jax.lax.fori_loop(0, 1, lambda i, c: run(model, c),
+                                             x),
+                 jax.vmap(lambda xi: run(model, xi))):
+    chex.assert_trees_all_close(traced(x), want, atol=2e-2)   # bf16.
+  assert jax.grad(lambda x: run(model, x).sum())(x).shape == x.shape
+  assert isinstance(model.kernel[...], jax.Array)   # Not a leaked tracer.
+
+
+def test_variables_fn_creates_in_nnx_arguments_are_kept():
+  """A variable made where the module declared nnx.data(None) raised
+  'Expected a subgraph' (it was silently lost before that)."""
+  nnx = pytest.importorskip("flax.nnx")
+  attn = nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0))
+  jmp_lite.autocast(lambda m: m.init_cache((1, 4, 16), dtype=jnp.bfloat16),
+                    jnp.bfloat16)(attn)
+  assert_dtype(attn.cached_key[...], jnp.bfloat16)
+  assert int(attn.cache_index[...]) == 0
+
+
+@pytest.mark.parametrize("region", ["autocast", "float32_region"])
+def test_regions_hold_when_differentiated_inside_autocast(region):
+  """Backward matmuls of an inner float32 region ran in the outer dtype when
+  jax.grad was taken inside the outer autocast (JAX names them
+  'transpose(jvp(<scope>))')."""
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) @ w)
+
+  if region == "autocast":
+    inner = jmp_lite.autocast(loss, jnp.float32)
+  else:
+    def inner(w, x):
+      with jmp_lite.float32_region():
+        return loss(w, x)
+
+  step = lambda w, x: jax.grad(inner)(w, x)
+  w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+  audit = jmp_lite.autocast_audit(step, jnp.bfloat16, w, x)
+  dots = [r.dtype for r in audit.records if r.primitive == "dot_general"]
+  assert len(dots) == 5 and set(dots) == {"float32"}, dots

@@ -562,6 +562,33 @@ def test_init_cache_through_the_wrapper_then_decode(jit_init):
   assert_dtype(alone(x[:, :1]), jnp.float32)
 
 
+class Slotted(nnx.Module):
+  def __init__(self):
+    self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    self.slot = nnx.data(None)
+
+  def fill(self, x):
+    self.slot = nnx.Cache(jnp.full(3, 2.0))
+    return self.lin(x)
+
+
+class SlottedDict(nnx.Module):
+  def __init__(self):
+    self.layers = nnx.data({"a": Slotted(), "b": Slotted()})
+
+  def fill(self, x):
+    return self.layers["b"].fill(self.layers["a"].fill(x))
+
+
+def test_variables_created_under_plain_dict_containers_land():
+  """A plain dict container's keys were read as attributes (AttributeError:
+  'dict' object has no attribute 'a')."""
+  model = jnnx.mixed_precision(SlottedDict(), "p=f32,c=bf16,o=f32")
+  assert_dtype(model.fill(jnp.ones((2, 4))), jnp.float32)
+  for key in ("a", "b"):
+    chex.assert_trees_all_equal(model.layers[key].slot[...], jnp.full(3, 2.0))
+
+
 def test_tabulate_lists_the_wrapped_models_modules_every_time():
   """nnx.tabulate listed the submodules once, then raised KeyError."""
   model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
