@@ -58,8 +58,8 @@ class KahanState:
     compensation: per param leaf, the rounding error not yet applied, in the
       param's dtype (bfloat16 for FP8 params); ``None`` for float32/float64
       and non-floating leaves. float16 buffers hold the error times
-      ``2**11``, which keeps it out of
-      float16's subnormal range; :meth:`residual` gives the error itself.
+      ``2**11``, which keeps it out of float16's subnormal range;
+      :meth:`residual` gives the error itself.
     inner_state: the wrapped optimizer's state.
   """
 
@@ -382,10 +382,9 @@ def kahan_summation(
   before it reached the param's half ulp; float16 buffers hold it times
   ``2**11``, clear of float16's subnormals: :meth:`KahanState.residual`).
   Each step computes, in float32, ``s = p + (u + c)`` (``u``: ``inner``'s
-  update), the new param
-  ``round(s)`` and the new buffer ``s - round(s)``, and returns the update
-  that makes ``optax.apply_updates(params, updates)`` land exactly on
-  ``round(s)``. The rounding error is carried into the next step, so updates
+  update), the new param ``round(s)`` and the new buffer ``s - round(s)``,
+  and returns the update that makes ``optax.apply_updates(params,
+  updates)`` land exactly on ``round(s)``. The rounding error is carried into the next step, so updates
   far below half an ulp accumulate instead of vanishing: ``p + c`` follows a
   float32 run to about one ulp of the param's dtype.
 
