@@ -384,9 +384,10 @@ def kahan_summation(
   Each step computes, in float32, ``s = p + (u + c)`` (``u``: ``inner``'s
   update), the new param ``round(s)`` and the new buffer ``s - round(s)``,
   and returns the update that makes ``optax.apply_updates(params,
-  updates)`` land exactly on ``round(s)``. The rounding error is carried into the next step, so updates
-  far below half an ulp accumulate instead of vanishing: ``p + c`` follows a
-  float32 run to about one ulp of the param's dtype.
+  updates)`` land exactly on ``round(s)``. The rounding error is carried
+  into the next step, so updates far below half an ulp accumulate instead
+  of vanishing: ``p + c`` follows a float32 run to about one ulp of the
+  param's dtype.
 
   Returned updates are float32 for half-precision leaves (the exact
   difference of two half values) and FP8 for FP8 leaves (JAX adds no
