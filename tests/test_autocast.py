@@ -755,18 +755,11 @@ def test_nnx_module_arguments_keep_what_the_call_changes():
   call (the Rngs count never moved) and BatchNorm never updated its
   statistics, silently."""
   nnx = pytest.importorskip("flax.nnx")
-
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.lin = nnx.Linear(4, 16, rngs=rngs)
-      self.bn = nnx.BatchNorm(16, rngs=rngs)
-      self.drop = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x):
-      return self.drop(self.bn(self.lin(x)))
+  from tests.models.nnx_models import StatefulBlock
 
   x = jax.random.normal(jax.random.key(0), (8, 4)) + 3.0
-  plain, cast = Net(nnx.Rngs(0, dropout=1)), Net(nnx.Rngs(0, dropout=1))
+  plain, cast = (StatefulBlock(4, 16, rngs=nnx.Rngs(0, dropout=1))
+                 for _ in range(2))
   run = jmp_lite.autocast(lambda m, x: m(x), jnp.float16)
   masks = []
   for _ in range(2):

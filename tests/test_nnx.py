@@ -15,6 +15,7 @@ from flax import nnx
 import jmp_lite
 import jmp_lite.nnx as jnnx
 from tests.conftest import assert_dtype
+from tests.models.nnx_models import StatefulBlock
 
 
 class Net(nnx.Module):
@@ -318,17 +319,8 @@ def test_nested_policy_reports_its_own_modules():
 
 def test_views_and_configuring_methods_act_on_the_wrapped_submodules():
   """nnx.view / set_view switch a wrapped model to eval mode, as unwrapped."""
-
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.lin = nnx.Linear(4, 4, rngs=rngs)
-      self.bn = nnx.BatchNorm(4, rngs=rngs)
-      self.drop = nnx.Dropout(0.5, rngs=rngs)
-
-    def __call__(self, x):
-      return self.drop(self.bn(self.lin(x)))
-
-  model = jnnx.mixed_precision(Net(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  model = jnnx.mixed_precision(StatefulBlock(4, 4, rngs=nnx.Rngs(0)),
+                               "p=f32,c=bf16,o=f32")
   x = jax.random.normal(jax.random.key(1), (8, 4))
   model(x)  # Training mode: batch statistics move.
   evaluating = nnx.view(model, deterministic=True, use_running_average=True)

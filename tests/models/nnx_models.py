@@ -2,7 +2,8 @@
 
 The CNN takes its ``Rngs`` at call time (as the MNIST tutorial does); the
 language model ties its output layer to its embedding with ``Embed.attend``
-and exposes ``encode``.
+and exposes ``encode``; the stateful block holds what a call changes (batch
+statistics, a dropout RNG stream).
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ class CNN(nnx.Module):
     x = x.reshape(x.shape[0], -1)
     x = self.dropout(nnx.relu(self.linear1(x)), rngs=rngs)
     return self.linear2(x)
+
+
+class StatefulBlock(nnx.Module):
+  """Linear, BatchNorm, Dropout: a call moves statistics and RNG counts."""
+
+  def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+    self.lin = nnx.Linear(din, dout, rngs=rngs)
+    self.bn = nnx.BatchNorm(dout, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.bn(self.lin(x)))
 
 
 class TiedLM(nnx.Module):
