@@ -30,35 +30,47 @@ module path, relative to the wrapped model). The first matching rule wins; a
 module without a match inherits its nearest ancestor's. By default
 normalisation layers are float32 islands.
 
-How: every module call goes through ``flax.linen.intercept_methods``; while a
-Flax layer runs, its ``dtype``/``param_dtype`` fields are set on Flax's
-per-call bound copy of it (never on your module objects) and restored after.
-Params are cast by ``flax.linen.map_variables``, which needs each module
-path's class up front: the first call with new shapes traces the model
-abstractly once to learn them, and remembers them for later calls.
+How: every module call goes through ``flax.linen.intercept_methods``, with an
+interceptor made for that one ``init``/``apply``
+(``jmp_lite._linen_intercept``); while a Flax layer runs, Flax's per-call
+bound copy of it (never a module you hold) has the policy's
+``dtype``/``param_dtype`` (the one Flax internal this takes is in
+``jmp_lite._flax_linen_compat``). Params are cast by
+``flax.linen.map_variables``, which needs each module path's class up front:
+the first call with new shapes traces the model abstractly once to learn
+them, and remembers them for later calls (``jmp_lite._linen_cache``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import threading
 import types
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jmp_lite import _jaxpr
-from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
-from jmp_lite.autocasting import float32_region
+from jmp_lite._linen_attention import dot_product_attention_fp32
+from jmp_lite._linen_cache import apply_arrays as _apply_arrays
+from jmp_lite._linen_cache import (
+  aval_key,
+  lookup,
+  Memo,
+  traced_apply,
+  UNCACHED,
+)
+from jmp_lite._linen_intercept import (
+  Call,
+  cast_params,
+  interceptor,
+  PolicyCall,
+  restore_dtypes,
+)
 from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport, ReportRow
@@ -77,366 +89,9 @@ __all__ = ["DtypeReport", "FLOAT32", "MixedPrecision", "NORM_LAYERS",
            "ReportRow", "Rule", "dot_product_attention_fp32", "dtype_report",
            "mixed_precision"]
 
-
-def _is_flax_layer(module: nn.Module) -> bool:
-  """Whether ``module`` is (a subclass of) one of Flax's own dtype'd layers."""
-  fields = getattr(type(module), "__dataclass_fields__", {})
-  if "dtype" not in fields:
-    return False
-  return any(c.__module__.startswith("flax.linen.")
-             for c in type(module).__mro__
-             if c is not nn.Module and issubclass(c, nn.Module))
-
-
-@contextlib.contextmanager
-def _fields_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
-  """Sets dataclass fields of a bound module for one call, then restores them.
-
-  The module is Flax's bound copy made for this ``init``/``apply`` (Flax
-  clones every module when it binds it), so nothing a user holds changes.
-  """
-  fields = getattr(type(module), "__dataclass_fields__", {})
-  old = {k: getattr(module, k) for k in values if k in fields}
-  for k in old:
-    object.__setattr__(module, k, values[k])
-  try:
-    yield
-  finally:
-    for k, v in old.items():
-      object.__setattr__(module, k, v)
-
-
-def _is_real_call(context: Any) -> bool:
-  name = context.method_name
-  return not (name == "setup" or name.startswith("<"))
-
-
-@dataclasses.dataclass
-class _Call:
-  """Bookkeeping for one traced call of a :class:`MixedPrecision` (not shared).
-
-  Attributes:
-    rule_set: the policy and rules.
-    root: the wrapped model's absolute module path.
-    classes: relative module path -> class, as seen (or discovered).
-    resolved: relative path -> resolution, filled lazily from ``classes``.
-    initializing: whether params are being created.
-    remat_norms: recompute float32 islands in the backward pass.
-    recorder: set when tracing for a :func:`dtype_report`.
-  """
-
-  rule_set: _rules.RuleSet
-  root: Path
-  classes: dict[Path, type]
-  initializing: bool
-  remat_norms: bool = False
-  recorder: _report.Recorder | None = None
-  resolved: dict[Path, _rules.Resolved] = dataclasses.field(
-      default_factory=dict)
-  rematting: set[Path] = dataclasses.field(default_factory=set)
-  boundaries: set[Path] = dataclasses.field(default_factory=set)
-  root_depth: int = 0  # Nesting of root calls: only the outermost casts out.
-  # How many discovery traces were open when this call began (see
-  # `_ThreadState`).
-  discovery_depth: int = dataclasses.field(
-      default_factory=lambda: _STATE.depth)
-
-  def relative(self, module: nn.Module) -> Path | None:
-    """The path of ``module`` relative to the wrapped root, or ``None``."""
-    path = tuple(module.path)
-    if path[:len(self.root)] != self.root:
-      return None
-    rel = path[len(self.root):]
-    if self.under_boundary(rel):
-      return None
-    return rel
-
-  def under_boundary(self, path: Path) -> bool:
-    """Whether ``path`` belongs to a nested :class:`MixedPrecision`."""
-    return any(path[:len(b)] == b for b in self.boundaries)
-
-  def policy_at(self, path: Path) -> Policy:
-    """The policy of ``path``: its own class's, else its nearest ancestor's."""
-    for n in range(len(path), -1, -1):
-      if path[:n] in self.classes:
-        return self.resolve(path[:n], self.classes[path[:n]]).policy
-    return self.rule_set.default
-
-  def resolve(self, path: Path, cls: type) -> _rules.Resolved:
-    """The resolution of ``path``, from the classes of it and its ancestors."""
-    if path not in self.resolved or self.classes.get(path) is not cls:
-      self.classes[path] = cls
-      chain = {p: c for p, c in self.classes.items() if path[:len(p)] == p}
-      self.resolved[path] = self.rule_set.resolve(chain)[path]
-    return self.resolved[path]
-
-
-class _ThreadState(threading.local):
-  """What nested policies need to know of the ones around them (per thread).
-
-  Attributes:
-    depth: how many :meth:`MixedPrecision._discover` traces are open. Method
-      interceptors are global: a nested policy's discovery trace runs under
-      the outer policy's interceptor too, with paths from its own root.
-    report: ``(recorder, root path, depth)`` while :func:`dtype_report`
-      traces a model, so that nested policies record their modules in it.
-  """
-
-  depth: int = 0
-  report: tuple[_report.Recorder, Path, int] | None = None
-
-
-_STATE = _ThreadState()
-
-
-def _nested_recorder(path: Path) -> _report.Recorder | None:
-  """The enclosing :func:`dtype_report`'s recorder, for a policy at ``path``.
-
-  Without it a nested policy's matmuls count as its parent's own code.
-  """
-  active = _STATE.report
-  if active is None:
-    return None
-  recorder, root, depth = active
-  if depth != _STATE.depth or path[:len(root)] != root:
-    return None  # In a discovery trace, or not under the reported model.
-  return recorder.under(path[len(root):])
-
-
-def _creation_dtype(policy: Policy) -> np.dtype:
-  # Params are drawn in (at least) float32 and then stored in the param
-  # dtype, so that every policy starts from the same (rounded) weights.
-  return np.dtype(jnp.promote_types(policy.param_dtype, jnp.float32))
-
-
-def _interceptor(call: _Call) -> Callable[..., Any]:
-  def intercept(next_fun, args, kwargs, context):
-    module = context.module
-    if not _is_real_call(context) or (
-        _STATE.depth != call.discovery_depth):
-      # A nested policy's discovery trace (its own model from a fresh root)
-      # is not ours: its paths are not our modules'.
-      return next_fun(*args, **kwargs)
-    path = call.relative(module)
-    if path is None:
-      return next_fun(*args, **kwargs)
-    resolved = call.resolve(path, type(module))
-    policy = resolved.policy
-    cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
-                                                policy.compute_dtype)
-    if isinstance(module, MixedPrecision):
-      # A nested policy: hand it inputs in our compute dtype; it casts its
-      # outputs itself and its modules follow its own rules.
-      call.boundaries.add(path)
-      return next_fun(*cast_args, **cast_kwargs)
-    if path in call.rematting:
-      # The inner call of a recomputed island: the outer call cast already.
-      call.rematting.discard(path)
-      return _run_layer(call, module, resolved, next_fun, args, kwargs)
-    scope = (call.recorder.scope(path, type(module), policy, resolved.fp8)
-             if call.recorder is not None else contextlib.nullcontext())
-    output = resolved.output
-    if not path:
-      # The root's own methods calling each other stay in compute dtype.
-      output = output if call.root_depth == 0 else policy.compute_dtype
-      call.root_depth += 1
-    try:
-      with scope:
-        if (call.remat_norms and not call.initializing
-            and call.rule_set.is_island(resolved.rule)):
-          call.rematting.add(path)
-          method = context.method_name
-          out = nn.remat(lambda m, *a, **k: getattr(m, method)(*a, **k))(
-              module, *cast_args, **cast_kwargs)
-        else:
-          out = _run_layer(call, module, resolved, next_fun, cast_args,
-                           cast_kwargs)
-        out = _rules.cast_outputs(out, output, args, carry=bool(path))
-    finally:
-      if not path:
-        call.root_depth -= 1
-    if call.recorder is not None:
-      own = {k: v for k, v in module.variables.get("params", {}).items()
-             if not isinstance(v, Mapping)}
-      call.recorder.call(path, type(module), policy, (cast_args, cast_kwargs),
-                         out, own)
-    return out
-
-  return intercept
-
-
-def _run_layer(call: _Call, module: nn.Module, resolved: _rules.Resolved,
-               next_fun: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-  if not _is_flax_layer(module):
-    return next_fun(*args, **kwargs)
-  policy = resolved.policy
-  values = {"dtype": policy.compute_dtype,
-            "param_dtype": _creation_dtype(policy)}
-  if resolved.fp8 is not None:
-    from jmp_lite.fp8 import linen as fp8_linen  # Flax-dependent, on demand.
-    try:
-      values.update(fp8_linen.layer_fields(resolved.fp8, type(module)))
-    except TypeError:
-      pass  # No matmul to put in FP8 (norms, convolutions, embeddings).
-  with _fields_set(module, values):
-    return next_fun(*args, **kwargs)
-
-
-def _cast_params(params: Any, call: _Call, which: str) -> Any:
-  """Casts each param to its module's param (or compute) dtype, by path."""
-
-  def cast(path: Any, leaf: Any) -> Any:
-    if not _dtypes.is_floating_array(leaf):
-      return leaf
-    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-    module_path = names[:-1]  # The last key names the param itself.
-    if call.under_boundary(module_path):
-      return leaf  # A nested policy casts its own params.
-    policy = call.policy_at(module_path)
-    dtype = policy.param_dtype if which == "param" else policy.compute_dtype
-    return leaf if leaf.dtype == dtype else leaf.astype(dtype)
-
-  return jax.tree_util.tree_map_with_path(cast, params)
-
-
-def _restore_dtypes(new: Any, old: Any) -> Any:
-  """Casts written collections back to the dtypes they were stored in."""
-  old_dtypes = {jax.tree_util.keystr(p): x.dtype
-                for p, x in jax.tree_util.tree_flatten_with_path(old)[0]
-                if _dtypes.is_floating_array(x)}
-
-  def cast(path: Any, leaf: Any) -> Any:
-    dtype = old_dtypes.get(jax.tree_util.keystr(path))
-    if (dtype is not None and _dtypes.is_floating_array(leaf)
-        and leaf.dtype != dtype):
-      return leaf.astype(dtype)
-    return leaf
-
-  return jax.tree_util.tree_map_with_path(cast, new)
-
-
-class _Memo:
-  """Per-model memo of discovered module classes (compares equal to all).
-
-  A field of :class:`MixedPrecision` so that Flax's clones share it; it does
-  not take part in comparisons or hashing, which Flax's lifted transforms do.
-  """
-
-  def __init__(self) -> None:
-    self.classes: dict[Any, tuple[dict[Path, type], set[Path]]] = {}
-    # The same, per function passed as ``method=``: held weakly, so that a
-    # freed lambda's entries go with it (keyed by id, a new lambda reusing
-    # the id got the old one's module classes).
-    self.by_function: weakref.WeakKeyDictionary[
-        Any, dict[Any, tuple[dict[Path, type], set[Path]]]] = (
-            weakref.WeakKeyDictionary())
-    self.lock = threading.Lock()
-    # Keys of traced applies whose outputs were not all arrays: those run
-    # uncached from then on.
-    self.uncacheable: set[Any] = set()
-    # Traced applies, one per key (see `_traced_apply`): JAX's own trace
-    # cache, which also keeps the linearisation and transpose of each.
-    self.apply = jax.jit(_apply_arrays, static_argnums=0)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Memo)
-
-  def __hash__(self) -> int:
-    return 0
-
-  def __repr__(self) -> str:
-    return "_Memo()"
-
-  def __reduce__(self) -> Any:
-    return (_Memo, ())
-
-
-def _aval_key(tree: Any) -> Any:
-  """A hashable key of ``tree``'s structure, shapes, dtypes, static leaves."""
-  leaves, treedef = jax.tree.flatten(tree)
-  key = []
-  for x in leaves:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-      key.append((tuple(x.shape), str(x.dtype)))
-    else:
-      try:
-        hash(x)
-      except TypeError:
-        return None  # Unhashable static argument: do not memoise.
-      key.append(("static", type(x), x))
-  return treedef, tuple(key)
-
-
-class _NotArrays(Exception):
-  """Raised inside a cached trace whose output holds a non-array leaf."""
-
-
-def _apply_arrays(spec: tuple, dynamic: list[Any]) -> Any:
-  """``apply`` rebuilt from a :func:`_traced_apply` key and the arrays."""
-  model, method, treedef, where, static, _ = spec
-  arrays, statics = iter(dynamic), iter(static)
-  leaves = [next(arrays) if is_array else next(statics) for is_array in where]
-  variables, args, kwargs = jax.tree.unflatten(treedef, leaves)
-  out = nn.Module.apply(model, variables, *args, method=model._method(method),
-                        **kwargs)
-  if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(out)):
-    raise _NotArrays  # A Python value would come back as an array.
-  return out
-
-
-def _interceptors_active() -> bool:
-  """Whether a ``nn.intercept_methods`` context is open (unknown: True)."""
-  stack = getattr(nn.module, "_global_interceptor_stack", None)
-  return stack is None or len(stack) > 0
-
-
-_UNCACHED = object()
-
-
-def _traced_apply(model: MixedPrecision, variables: Any, args: tuple,
-                  method: Any, kwargs: dict) -> Any:
-  """``model.apply`` through a traced program reused per shapes and statics.
-
-  Inside a trace (``jax.jit``, ``grad``, ``vmap``...), the policy's apply is
-  a nested ``jax.jit`` keyed by the model, ``method``, the arguments' tree
-  structure and Python values, and Flax's logical axis rules; JAX keys it on
-  the arrays' shapes and dtypes. A later trace with the same key (a new
-  ``jax.jit`` of an eval step, a re-jit in a notebook) reuses the model's
-  traced program, and JAX's cached linearisation and transpose of it,
-  instead of running Flax's method interception again. XLA inlines the
-  nested call, so the compiled step is the same.
-
-  Returns ``_UNCACHED`` (the caller runs the plain apply) outside any trace
-  (eager calls stay op by op), while a Flax method interceptor is open (its
-  effects are not part of any key), for an unhashable Python argument or one
-  that is not a ``jax.Array`` but an array (a NumPy array stays a constant),
-  and for a model whose output holds a non-array leaf.
-  """
-  leaves, treedef = jax.tree.flatten((variables, args, kwargs))
-  if not any(map(_jaxpr.is_tracer, leaves)):
-    return _UNCACHED
-  if _interceptors_active():
-    return _UNCACHED
-  where = tuple(isinstance(x, jax.Array) for x in leaves)
-  static = tuple(x for x, is_array in zip(leaves, where, strict=True)
-                 if not is_array)
-  # Types too: `train=1` and `train=True` are equal and hash alike.
-  spec = (model, method, treedef, where, static,
-          (tuple(map(type, static)), nn.get_logical_axis_rules()))
-  try:
-    hash(spec)
-  except TypeError:
-    return _UNCACHED
-  with model.memo.lock:
-    if spec in model.memo.uncacheable:
-      return _UNCACHED
-  dynamic = [x for x, is_array in zip(leaves, where, strict=True) if is_array]
-  try:
-    return model.memo.apply(spec, dynamic)
-  except _NotArrays:
-    with model.memo.lock:
-      model.memo.uncacheable.add(spec)
-    return _UNCACHED
+# The function a policy's traced applies are compiled from (tests/conftest.py
+# leaves this nested jax.jit's compiler options alone).
+_apply_arrays = _apply_arrays
 
 
 def _call_method(method: Any) -> Callable[..., Any]:
@@ -485,36 +140,7 @@ class _BoundMethod:
   name: str
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return _policy_call(self.name)(self.wrapper, *args, **kwargs)
-
-
-_POLICY_CALL = "jmp_lite_policy"
-
-
-def _policy_call(method: Any, recorder: _report.Recorder | None = None
-                 ) -> Callable[..., Any]:
-  """A Flax-wrapped method of :class:`MixedPrecision` running ``method``.
-
-  Every call of the wrapper goes through one: Flax runs ``setup`` (which
-  shares the scope) before it, and method interceptors see it with the
-  caller's arguments. Its name, ``jmp_lite_policy``, is no attribute of the
-  wrapper, so ``tabulate`` lists the wrapped model's own call in its place
-  (as for the bare model), and ``capture_intermediates`` (which captures
-  ``__call__``) records the model's output once.
-
-  Args:
-    method: the wrapped model's method (``None``, a name or a function).
-    recorder: set when tracing for a :func:`dtype_report`.
-
-  Returns:
-    A function of the wrapper and the method's arguments.
-  """
-
-  def run(mp: MixedPrecision, *args: Any, **kwargs: Any) -> Any:
-    return mp._run(method, args, kwargs, recorder)
-
-  run.__name__ = run.__qualname__ = _POLICY_CALL
-  return nn.module.wrap_method_once(run)
+    return PolicyCall(self.name)(self.wrapper, *args, **kwargs)
 
 
 class MixedPrecision(nn.Module):
@@ -534,13 +160,17 @@ class MixedPrecision(nn.Module):
       instead of saving their float32 internals.
     cache_traces: inside a trace, run ``apply`` as a nested ``jax.jit`` that
       later traces with the same shapes and Python arguments reuse.
+    memo: the discovered module classes and traced applies (a cache of the
+      fields above; no part of the wrapper's equality or hash, shared by
+      Flax's clones of it).
   """
 
   module: nn.Module
   rule_set: _rules.RuleSet
   remat_norms: bool = False
   cache_traces: bool = True
-  memo: _Memo = dataclasses.field(default_factory=_Memo)
+  memo: Memo = dataclasses.field(default_factory=Memo, compare=False,
+                                 repr=False)
 
   def setup(self) -> None:
     # The wrapped model's variables live where they would without us.
@@ -559,7 +189,7 @@ class MixedPrecision(nn.Module):
   @nn.nowrap
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module's ``__call__`` under the policy."""
-    return _policy_call(None)(self, *args, **kwargs)
+    return PolicyCall(None)(self, *args, **kwargs)
 
   @nn.nowrap
   def __getattr__(self, name: str) -> Any:
@@ -591,28 +221,26 @@ class MixedPrecision(nn.Module):
     return _BoundMethod(self, name)
 
   @nn.nowrap
-  def _run(self, method: Any, args: tuple, kwargs: dict,
-           recorder: _report.Recorder | None = None) -> Any:
+  def _run(self, policy_call: PolicyCall, args: tuple, kwargs: dict) -> Any:
     # Not a Flax-wrapped method: interceptors and `tabulate` see the
-    # wrapper's call (`_policy_call`) with the caller's arguments, never our
-    # bookkeeping. That call ran `setup`.
+    # wrapper's call (`jmp_lite_policy`) with the caller's arguments, never
+    # our bookkeeping. That call ran `setup`.
+    method = policy_call.method
     fn = _call_method(method)
-    if recorder is None:
-      recorder = _nested_recorder(tuple(self.path))
-    call = _Call(self.rule_set, tuple(self.path), {},
-                 self.is_initializing(), self.remat_norms, recorder)
+    call = Call(self.rule_set, tuple(self.path), {}, self.is_initializing(),
+                self.remat_norms, policy_call.recorder)
     if call.initializing:
       def trans_out(variables: Any) -> Any:
         variables = dict(variables)
         if "params" in variables:
-          variables["params"] = _cast_params(variables["params"], call,
+          variables["params"] = cast_params(variables["params"], call,
                                              "param")
         return variables
 
       def trans_in(variables: Any) -> Any:
         variables = dict(variables)
         if "params" in variables:
-          variables["params"] = _cast_params(variables["params"], call,
+          variables["params"] = cast_params(variables["params"], call,
                                              "compute")
         return variables
 
@@ -629,12 +257,12 @@ class MixedPrecision(nn.Module):
     def cast_in(variables: Any) -> Any:
       variables = dict(variables)
       if "params" in variables:
-        variables["params"] = _cast_params(variables["params"], call,
+        variables["params"] = cast_params(variables["params"], call,
                                            "compute")
       return variables
 
     def restore_out(variables: Any) -> Any:
-      return {k: _restore_dtypes(v, stored.get(k, {}))
+      return {k: restore_dtypes(v, stored.get(k, {}))
               for k, v in dict(variables).items()}
 
     mutable = [c for c in stored if c != "params"
@@ -647,9 +275,9 @@ class MixedPrecision(nn.Module):
     return mapped(self.module, *args, **kwargs)
 
   @nn.nowrap
-  def _intercepted(self, call: _Call, fn: Callable[..., Any], module: Any,
+  def _intercepted(self, call: Call, fn: Callable[..., Any], module: Any,
                    args: tuple, kwargs: dict) -> Any:
-    with nn.intercept_methods(_interceptor(call)):
+    with nn.intercept_methods(interceptor(call)):
       return fn(module, *args, **kwargs)
 
   @nn.nowrap
@@ -657,24 +285,21 @@ class MixedPrecision(nn.Module):
                 ) -> tuple[dict[Path, type], set[Path]]:
     """Each module path's class, from one abstract trace (memoised)."""
     variables = self.variables
-    key: Any = (_aval_key(dict(variables)), _aval_key((args, kwargs)))
-    table: Any = None
-    with self.memo.lock:
-      # Anything else (a bound method is a new object at every access, an
-      # unhashable argument) is traced each time.
-      if None not in key and isinstance(method, (str, type(None))):
-        table, key = self.memo.classes, (method, *key)
-      elif None not in key and isinstance(method, types.FunctionType):
-        table = self.memo.by_function.setdefault(method, {})
-      if table is not None and key in table:
-        classes, boundaries = table[key]
-        return dict(classes), set(boundaries)
+    table, key = lookup(self.memo, method, (
+        aval_key(dict(variables)), aval_key((args, kwargs))))
+    if table is not None:
+      with self.memo.lock:
+        if key in table:
+          classes, boundaries = table[key]
+          return dict(classes), set(boundaries)
     fn = _call_method(method)
     rng_names = list(getattr(self.scope, "rngs", {}) or {})
     module = self.module.clone(parent=None)
+    # A policy at the root of a fresh apply: paths from the model itself.
+    call = Call(self.rule_set, (), {}, False)
 
     def trace(v: Any, a: tuple, k: dict) -> Any:
-      with nn.intercept_methods(_interceptor(call)):
+      with nn.intercept_methods(interceptor(call)):
         return module.apply(v, *a, method=lambda m, *a2, **k2: fn(m, *a2, **k2),
                             rngs={n: jax.random.key(0) for n in rng_names},
                             mutable=True, **k)
@@ -682,12 +307,7 @@ class MixedPrecision(nn.Module):
     # Arrays are traced; everything else (flags such as `train`) stays a
     # Python value, as the model's own code expects.
     arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
-    _STATE.depth += 1
-    try:
-      call = _Call(self.rule_set, (), {}, False)
-      jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
-    finally:
-      _STATE.depth -= 1
+    jax.eval_shape(lambda *xs: trace(*rebuild(xs)), *arrays)
     self.rule_set.check_strict(call.classes)
     if table is not None:
       with self.memo.lock:
@@ -742,26 +362,21 @@ class MixedPrecision(nn.Module):
     Returns:
       What the wrapped module's ``apply`` returns.
     """
-    method = _as_method(method)
+    run = self._method(method)
     if self.cache_traces:
-      out = _traced_apply(self, variables, args, method, kwargs)
-      if out is not _UNCACHED:
+      out = traced_apply(self, variables, args, run, kwargs)
+      if out is not UNCACHED:
         return out
-    return super().apply(variables, *args, method=self._method(method),
-                         **kwargs)
+    return super().apply(variables, *args, method=run, **kwargs)
 
   @nn.nowrap
-  def _method(self, method: Any) -> Callable[..., Any]:
-    if getattr(method, "_jmp_lite_run", False):
+  def _method(self, method: Any) -> PolicyCall:
+    """``method=`` as Flax's ``init``/``apply`` of the wrapper take it."""
+    if isinstance(method, PolicyCall):
       return method  # Already translated (Module.init calls init_with_output).
     method = _as_method(method)
     _call_method(method)  # Validates.
-
-    def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
-      return _policy_call(method)(mp, *a, **k)
-
-    run._jmp_lite_run = True  # type: ignore[attr-defined]
-    return run
+    return PolicyCall(method)
 
   @nn.nowrap
   def policy_for(self, variables: Any, *args: Any, method: Any = None,
@@ -877,93 +492,6 @@ def mixed_precision(
                         remat_norms=remat_norms, cache_traces=cache_traces)
 
 
-def dot_product_attention_fp32(
-    query: jax.Array, key: jax.Array, value: jax.Array, bias: Any = None,
-    mask: Any = None, broadcast_dropout: bool = True, dropout_rng: Any = None,
-    dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
-    precision: Any = None, module: Any = None,
-    force_fp32_for_softmax: bool = False, is_causal: bool = False,
-) -> jax.Array:
-  """``nn.dot_product_attention`` with logits and softmax in float32.
-
-  Pass it as ``attention_fn=`` to ``nn.MultiHeadDotProductAttention`` or
-  ``nnx.MultiHeadAttention`` (or use it in your own attention) to keep the
-  numerically sensitive part of attention in float32 while the projections
-  run in half precision. The weighted sum of values runs in the values'
-  dtype. The float32 part runs in a :func:`jmp_lite.float32_region`, so
-  :func:`dtype_report` shows its float32 matmul without flagging it.
-
-  The parameters are Flax's own, by name: linen's attention passes only the
-  keyword arguments its ``attention_fn`` names, so attention dropout works
-  as with ``nn.dot_product_attention``.
-
-  Args:
-    query: ``[..., q, heads, depth]``.
-    key: ``[..., k, heads, depth]``.
-    value: ``[..., k, heads, depth_v]``.
-    bias: optional additive logits bias.
-    mask: optional boolean mask.
-    broadcast_dropout: one dropout mask for all batch dimensions.
-    dropout_rng: the dropout key (``None``: no dropout).
-    dropout_rate: the attention weights' dropout rate.
-    deterministic: no dropout when true.
-    dtype: ignored (the weights are float32; the output has ``value``'s
-      dtype).
-    precision: ignored (float32 logits need no precision flag).
-    module: given by both attention layers when called with
-      ``sow_weights=True``: the float32 attention weights are sown as Flax's
-      own function sows them, before dropout, into ``"intermediates"`` for a
-      linen module or ``nnx.Intermediate`` for an nnx one, named
-      ``attention_weights``.
-    force_fp32_for_softmax: ignored (always float32 here).
-    is_causal: mask keys after each query position (query ``i`` sees keys
-      ``0..i``), combined with ``mask``; ``nnx.MultiHeadAttention`` passes it.
-
-  Returns:
-    ``[..., q, heads, depth_v]`` in ``value``'s dtype.
-
-  Raises:
-    TypeError: for a ``module`` that is not a Flax linen or nnx module.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite.linen
-    >>> q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
-    >>> jmp_lite.linen.dot_product_attention_fp32(q, q, q).dtype
-    dtype(bfloat16)
-  """
-  del dtype, precision, force_fp32_for_softmax  # float32 by construction.
-  if is_causal:
-    q_len, k_len = query.shape[-3], key.shape[-3]
-    causal = jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
-  # Flax's own weights function for the module's kind: it sows where that
-  # kind reads intermediates, before dropout, as Flax's attention does.
-  weights_fn = (nn.dot_product_attention_weights if module is None
-                else _weights_fn_for(module))
-  # A named float32 region: `dtype_report` reads it as deliberate (no
-  # mismatch) and `jmp_lite.autocast` leaves it as written.
-  with float32_region():
-    weights = weights_fn(
-        query.astype(jnp.float32), key.astype(jnp.float32), bias=bias,
-        mask=mask, broadcast_dropout=broadcast_dropout,
-        dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-        deterministic=deterministic, dtype=jnp.float32, module=module)
-  return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
-
-
-def _weights_fn_for(module: Any) -> Callable[..., jax.Array]:
-  """Flax's attention-weights function that sows into ``module``'s kind."""
-  if isinstance(module, nn.Module):
-    return nn.dot_product_attention_weights
-  from flax import nnx  # Imported here: linen users need not load nnx.
-  if not isinstance(module, nnx.Module):
-    raise TypeError("dot_product_attention_fp32: module= must be a flax"
-                    " linen or nnx Module (it sows the attention weights),"
-                    f" got {type(module).__name__}: {module!r}")
-  from flax.nnx.nn.attention import dot_product_attention_weights
-  return dot_product_attention_weights
-
-
 def _own_params(tree: Any) -> dict[Path, Any]:
   """Each module path's own params (leaves that are not submodule dicts)."""
   out: dict[Path, Any] = {}
@@ -1017,16 +545,9 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
         "dtype_report expects a jmp_lite.linen.MixedPrecision (from"
         f" mixed_precision(...)), got {type(model).__name__}")
   recorder = _report.Recorder()
-  method = _as_method(method)
-
-  def run(mp: MixedPrecision, *a: Any, **k: Any) -> Any:
-    # Nested policies inside record their modules here too.
-    outer = _STATE.report
-    _STATE.report = (recorder, tuple(mp.path), _STATE.depth)
-    try:
-      return _policy_call(method, recorder)(mp, *a, **k)
-    finally:
-      _STATE.report = outer
+  # Nested policies inside record their modules here too: the interceptor
+  # hands each one `recorder.under(its path)` in its PolicyCall.
+  run = PolicyCall(_as_method(method), recorder)
 
   def f(v: Any, a: tuple, k: dict) -> Any:
     return nn.Module.apply(model, v, *a, method=run, mutable=True, **k)

@@ -1,0 +1,121 @@
+"""The three things the linen adapter needs beyond Flax's public API.
+
+Everything else in :mod:`jmp_lite.linen` uses ``nn.intercept_methods``,
+``Module.clone``, ``nn.map_variables``, ``nn.share_scope`` and public
+fields. Each function here says which Flax internal it relies on and why no
+public route does the job; ``tests/test_linen_compat.py`` fails when one of
+these internals changes or disappears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+from flax.linen import module as _flax_module
+
+__all__ = ["fields_overridden", "interceptors_active", "wrap_method"]
+
+
+def wrap_method(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """``fun(module, ...)`` run as a Flax method of ``module``, not an attribute.
+
+  Flax wraps the methods a ``Module`` class defines: a wrapped call runs the
+  module's ``setup`` first and is seen by method interceptors. The policy's
+  call needs both (its ``setup`` shares the wrapped model's scope), but must
+  not be an attribute of the wrapper: ``tabulate`` lists the first call at
+  each path whose method the module has, and there the wrapped model's own
+  call (the same path, a shared scope) is the one to show. Flax wraps a free
+  function only through ``flax.linen.module.wrap_method_once``.
+
+  Args:
+    fun: a function taking the module first; its ``__name__`` is the method
+      name interceptors see.
+
+  Returns:
+    The wrapped function.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> def twice(module, x):
+    ...   return 2 * x
+    >>> wrapped = compat.wrap_method(twice)
+    >>> nn.Module.apply(nn.Dense(2), {}, 3, method=wrapped)
+    6
+  """
+  return _flax_module.wrap_method_once(fun)
+
+
+def interceptors_active() -> bool:
+  """Whether a ``nn.intercept_methods`` context is open (unknown: ``True``).
+
+  A trace reused from a cache would run no interceptor, so the policy's
+  trace cache is skipped while one is open. Flax offers no public query; the
+  stack is ``flax.linen.module._global_interceptor_stack``.
+
+  Returns:
+    ``True`` inside ``nn.intercept_methods`` (or if Flax renamed the stack).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> spy = lambda next_fun, args, kwargs, context: next_fun(*args, **kwargs)
+    >>> with nn.intercept_methods(spy):
+    ...   inside = compat.interceptors_active()
+    >>> inside, compat.interceptors_active()
+    (True, False)
+  """
+  stack = getattr(_flax_module, "_global_interceptor_stack", None)
+  return stack is None or len(stack) > 0
+
+
+@contextlib.contextmanager
+def fields_overridden(module: nn.Module,
+                      values: Mapping[str, Any]) -> Iterator[None]:
+  """Gives the module an interceptor is running other field values, briefly.
+
+  For ``nn.intercept_methods`` interceptors only: ``module`` is the
+  ``context.module`` of the call being intercepted, the copy of a module
+  that Flax made when it bound it for this ``init``/``apply`` (Flax clones
+  every module it binds; the user's objects are never bound), and the
+  values hold while the call runs. The public route, a ``Module.clone``
+  with the new values bound to the same scope, is a second module call:
+  Flax would record it too (``capture_intermediates`` stores each layer's
+  output twice, interceptors see each layer twice, JAX's name stack names it
+  twice), so the policy would change what Flax's tools see.
+
+  Args:
+    module: the bound module of the call being intercepted.
+    values: dataclass field name -> value; names the class lacks are skipped.
+
+  Yields:
+    Nothing; run the call inside.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> def in_bf16(next_fun, args, kwargs, context):
+    ...   with compat.fields_overridden(context.module,
+    ...                                 {"dtype": jnp.bfloat16}):
+    ...     return next_fun(*args, **kwargs)
+    >>> layer = nn.Dense(2, dtype=jnp.float32)
+    >>> v = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> with nn.intercept_methods(in_bf16):
+    ...   y = layer.apply(v, jnp.ones((1, 3)))
+    >>> y.dtype, layer.dtype
+    (dtype(bfloat16), <class 'jax.numpy.float32'>)
+  """
+  fields = getattr(type(module), "__dataclass_fields__", {})
+  old = {k: getattr(module, k) for k in values if k in fields}
+  for k in old:
+    # Flax modules are frozen dataclasses; Flax sets its own bookkeeping on
+    # bound copies the same way.
+    object.__setattr__(module, k, values[k])
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      object.__setattr__(module, k, v)
