@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f" {row['traces']} |")
   kind, why = jmp_lite.step.formulation(
       jmp_lite.loss_scaled(optax.adam(1e-4), jmp_lite.DynamicLossScale(
-          SCALE)).init(params))
+          SCALE)))
   print(f"\njmp_lite.update_and_apply on {device.platform}: {kind} ({why})")
   return rows
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, struct
+from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_count, check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
@@ -26,7 +26,7 @@ __all__ = ["AccumulateState", "accumulate_gradients"]
 
 
 @struct.dataclass
-class AccumulateState:
+class AccumulateState(contract.Gate):
   """State of :func:`accumulate_gradients`.
 
   Attributes:
@@ -41,6 +41,38 @@ class AccumulateState:
   mini_step: Any
   poisoned: Any
   inner_state: Any
+
+  def applied(self) -> jax.Array:
+    """Whether the last micro-batch ended a window and handed ``inner`` its
+    mean (see :class:`jmp_lite.contract.Gate`; gates inside say whether it
+    applied).
+
+    Returns:
+      A bool scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.accumulate_gradients(optax.sgd(1.0), every_k=2)
+      >>> p = jnp.zeros(1)
+      >>> _, state = opt.update(jnp.ones(1), opt.init(p), p)
+      >>> bool(state.applied())
+      False
+    """
+    return jnp.asarray(self.mini_step, jnp.int32) == 0
+
+  def inner(self) -> Any:
+    """The wrapped optimizer's state (see :class:`jmp_lite.contract.Gate`).
+
+    Returns:
+      ``inner_state``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.accumulate_gradients(optax.sgd(1.0), every_k=2)
+      >>> opt.init(jnp.zeros(1)).inner()
+      (EmptyState(), EmptyState())
+    """
+    return self.inner_state
 
 
 def accumulate_gradients(

@@ -27,20 +27,18 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, struct
+from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_bool, check_transformation
-from jmp_lite.accumulation import AccumulateState
 from jmp_lite.diagnostics import PrecisionWarning
 from jmp_lite.path_rules import path_string
-from jmp_lite.transforms import LossScaledState, SkipNonfiniteState
 
 __all__ = ["KahanState", "StateDtypesState", "StochasticRoundingState",
            "kahan_summation", "state_dtypes", "stochastic_rounding"]
@@ -62,13 +60,6 @@ class KahanState:
       :meth:`residual` gives the error itself.
     inner_state: the wrapped optimizer's state.
   """
-
-  # Gradients reach ``inner`` unchanged: jmp_lite.update_and_apply may decide
-  # a guard inside up front (the skipped branch's -0.0 updates move nothing).
-  forwards_gradients: ClassVar[bool] = True
-  # The compensation is half on purpose (loss_scaled's check for half
-  # moments leaves it be; the inner state is still checked).
-  half_by_design: ClassVar[tuple[str, ...]] = ("compensation",)
 
   compensation: Any
   inner_state: Any
@@ -110,9 +101,6 @@ class StochasticRoundingState:
     inner_state: the wrapped optimizer's state.
   """
 
-  # Gradients reach ``inner`` unchanged (see KahanState).
-  forwards_gradients: ClassVar[bool] = True
-
   seed: Any
   count: Any
   inner_state: Any
@@ -131,12 +119,6 @@ class StateDtypesState:
       updates, counted as :func:`stochastic_rounding` counts them (uint32
       scalar); else ``None``.
   """
-
-  # Gradients reach ``inner`` exactly upcast, finite exactly when they were.
-  forwards_gradients: ClassVar[bool] = True
-  # Half leaves here are stored half and computed in float32: loss_scaled's
-  # check for half moments leaves them be.
-  half_by_design: ClassVar[tuple[str, ...]] = ("inner_state",)
 
   inner_state: Any
   seed: Any = None
@@ -193,47 +175,16 @@ def _unaliased(state: Any, *trees: Any) -> Any:
       if isinstance(x, jax.Array) and id(x) in ids else x, state)
 
 
-# States of the transformations that hand on -0.0 updates when they skip.
-_GATES = (LossScaledState, SkipNonfiniteState, AccumulateState)
-
-
-def _gate_applied(gate: Any) -> jax.Array:
-  """Whether one gate's own decision this step was to apply."""
-  if isinstance(gate, LossScaledState):
-    return jnp.asarray(gate.last_finite, jnp.bool_)
-  if isinstance(gate, SkipNonfiniteState):
-    return jnp.asarray(gate.last_finite & ~gate.halted, jnp.bool_)
-  return jnp.asarray(gate.mini_step, jnp.int32) == 0  # Emitted this step.
-
-
-def _inner_applied(inner_state: Any) -> jax.Array:
-  """Whether this step's updates moved anything, as the gates inside say.
-
-  ``loss_scaled``, ``skip_nonfinite`` and ``accumulate_gradients`` ("gates")
-  hand on ``-0.0`` updates when they skip; their states say so. A counter of
-  ours must not advance on a step that moved nothing, or a skip would shift
-  the random stream; and it must advance on every step that moved
-  something, or the next step draws the same bits again and rounds the same
-  elements the same way (correlated rounding: a bias). So a step counts as
-  applied when *any* outermost gate applied (one partition of a
-  ``multi_transform`` is enough), and a gate with gates inside it applied
-  when it did and any of those did (inside a gate that skipped, their states
-  are last step's). Without gates every step counts.
-
-  Only the gates are read: updates made outside every gate (a partition
-  without one beside partitions with one, a chain element after the gate)
-  do not advance the counter on a step the gates skipped.
-  """
-  gates = struct.find_nodes(inner_state, _GATES)
-  if not gates:
-    return jnp.ones((), jnp.bool_)
-  applied = jnp.zeros((), jnp.bool_)
-  for gate in gates:
-    own = _gate_applied(gate)
-    if struct.find_nodes(gate.inner_state, _GATES):
-      own = own & _inner_applied(gate.inner_state)
-    applied = applied | own
-  return applied
+def _forwarding(init: Any, rebind: Any, inner: optax.GradientTransformation,
+                half_by_design: Any = None
+                ) -> optax.GradientTransformationExtraArgs:
+  """A wrapper that hands ``inner`` the gradients (upcast at most), declared
+  so that jmp_lite.update_and_apply may decide a guard inside it up front
+  (the skipped branch's ``-0.0`` updates move nothing here)."""
+  return _optax.transformation(init, contract.declare(
+      rebind(inner.update), contract.Forwarding(
+          inner=inner, rebind=rebind, inner_state=lambda s: s.inner_state,
+          half_by_design=half_by_design)))
 
 
 def _update_dtype(p: Any, wide: np.dtype) -> np.dtype:
@@ -456,22 +407,28 @@ def kahan_summation(
     return _dtypes.update_between(new_wide, p_wide, _update_dtype(p, wide),
                                   moved), new_c
 
-  def update(updates: Any, state: KahanState, params: Any = None,
-             **extra: Any) -> tuple[Any, KahanState]:
-    _need_params(params, "kahan_summation")
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra)
-    p_leaves, treedef = jax.tree.flatten(params)
-    u_leaves = treedef.flatten_up_to(inner_updates)
-    c_leaves = treedef.flatten_up_to(state.compensation)
-    out = [leaf(p, u, c)
-           for p, u, c in zip(p_leaves, u_leaves, c_leaves, strict=True)]
-    new_updates = treedef.unflatten([o[0] for o in out])
-    compensation = treedef.unflatten([o[1] for o in out])
-    return new_updates, KahanState(compensation=compensation,
-                                   inner_state=inner_state)
+  def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
+    def update(updates: Any, state: KahanState, params: Any = None,
+               **extra: Any) -> tuple[Any, KahanState]:
+      _need_params(params, "kahan_summation")
+      inner_updates, inner_state = inner_update(
+          updates, state.inner_state, params, **extra)
+      p_leaves, treedef = jax.tree.flatten(params)
+      u_leaves = treedef.flatten_up_to(inner_updates)
+      c_leaves = treedef.flatten_up_to(state.compensation)
+      out = [leaf(p, u, c)
+             for p, u, c in zip(p_leaves, u_leaves, c_leaves, strict=True)]
+      new_updates = treedef.unflatten([o[0] for o in out])
+      compensation = treedef.unflatten([o[1] for o in out])
+      return new_updates, KahanState(compensation=compensation,
+                                     inner_state=inner_state)
+    return update
 
-  return _optax.transformation(init, update)
+  # The compensation is half on purpose (loss_scaled's check for half
+  # moments leaves it be; the inner state is still checked).
+  return _forwarding(init, rebind, inner, half_by_design=lambda s: KahanState(
+      compensation=None,
+      inner_state=contract.without_half_by_design(inner, s.inner_state)))
 
 
 # ------------------------------------------------------- stochastic_rounding
@@ -547,34 +504,41 @@ def stochastic_rounding(
         seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
         inner_state=_unaliased(inner.init(params), params))
 
-  def update(updates: Any, state: StochasticRoundingState, params: Any = None,
-             **extra: Any) -> tuple[Any, StochasticRoundingState]:
-    _need_params(params, "stochastic_rounding")
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra)
-    key = _step_key(state.seed, state.count)
-    p_leaves, treedef = jax.tree.flatten(params)
-    u_leaves = treedef.flatten_up_to(inner_updates)
-    leaf_specs = _leaf_specs(specs, params, "params")
+  def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
+    def update(updates: Any, state: StochasticRoundingState, params: Any = None,
+               **extra: Any) -> tuple[Any, StochasticRoundingState]:
+      _need_params(params, "stochastic_rounding")
+      inner_updates, inner_state = inner_update(
+          updates, state.inner_state, params, **extra)
+      key = _step_key(state.seed, state.count)
+      p_leaves, treedef = jax.tree.flatten(params)
+      u_leaves = treedef.flatten_up_to(inner_updates)
+      leaf_specs = _leaf_specs(specs, params, "params")
 
-    def leaf(i: int, p: Any, u: Any) -> Any:
-      if not _is_narrow(p) or not _dtypes.is_floating_array(u):
-        return u
-      wide = _wide(p, u)
-      p_wide = p.astype(wide)
-      s = p_wide + u.astype(wide)
-      bits = _random_bits(key, i, p.shape, leaf_specs[i])
-      new_wide = _round_stochastic(s, p.dtype, bits).astype(wide)
-      return _dtypes.update_between(new_wide, p_wide, _update_dtype(p, wide))
+      def leaf(i: int, p: Any, u: Any) -> Any:
+        if not _is_narrow(p) or not _dtypes.is_floating_array(u):
+          return u
+        wide = _wide(p, u)
+        p_wide = p.astype(wide)
+        s = p_wide + u.astype(wide)
+        bits = _random_bits(key, i, p.shape, leaf_specs[i])
+        new_wide = _round_stochastic(s, p.dtype, bits).astype(wide)
+        return _dtypes.update_between(new_wide, p_wide, _update_dtype(p, wide))
 
-    new_updates = treedef.unflatten(
-        [leaf(i, p, u)
-         for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))])
-    count = state.count + _inner_applied(inner_state).astype(jnp.uint32)
-    return new_updates, StochasticRoundingState(
-        seed=state.seed, count=count, inner_state=inner_state)
+      new_updates = treedef.unflatten(
+          [leaf(i, p, u)
+           for i, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True))])
+      applied = contract.step_applied(inner_state)
+      count = state.count + applied.astype(jnp.uint32)
+      return new_updates, StochasticRoundingState(
+          seed=state.seed, count=count, inner_state=inner_state)
 
-  return _optax.transformation(init, update)
+    return update
+
+  # Holds nothing half itself; what its inner transformation declares holds.
+  return _forwarding(init, rebind, inner, half_by_design=lambda s: (
+      struct.replace(s, inner_state=contract.without_half_by_design(
+          inner, s.inner_state))))
 
 
 # --------------------------------------------------------------- state_dtypes
@@ -725,36 +689,44 @@ def state_dtypes(
         seed=jnp.asarray(seed, jnp.uint32) if stochastic else None,
         count=jnp.zeros((), jnp.uint32) if stochastic else None)
 
-  def update(updates: Any, state: StateDtypesState, params: Any = None,
-             **extra: Any) -> tuple[Any, StateDtypesState]:
-    stored, treedef = jax.tree.flatten(state.inner_state)
-    new_updates, new_inner = inner.update(
-        _upcast(updates), treedef.unflatten([
-            x.astype(_F32) if _is_narrow(x) else x for x in stored]),
-        _upcast(params), **extra)
-    new_leaves = treedef.flatten_up_to(new_inner)
-    seed_, count = state.seed, state.count
-    # (key, leaf specs) with stochastic rounding, else None.
-    rounding: tuple[jax.Array, list[Any]] | None = None
-    if stochastic:
-      rounding = (_step_key(seed_, count),
-                  _leaf_specs(specs, state.inner_state, "optimizer state"))
+  def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
+    def update(updates: Any, state: StateDtypesState, params: Any = None,
+               **extra: Any) -> tuple[Any, StateDtypesState]:
+      stored, treedef = jax.tree.flatten(state.inner_state)
+      new_updates, new_inner = inner_update(
+          _upcast(updates), treedef.unflatten([
+              x.astype(_F32) if _is_narrow(x) else x for x in stored]),
+          _upcast(params), **extra)
+      new_leaves = treedef.flatten_up_to(new_inner)
+      seed_, count = state.seed, state.count
+      # (key, leaf specs) with stochastic rounding, else None.
+      rounding: tuple[jax.Array, list[Any]] | None = None
+      if stochastic:
+        rounding = (_step_key(seed_, count),
+                    _leaf_specs(specs, state.inner_state, "optimizer state"))
 
-    def back(i: int, old: Any, new: Any) -> Any:
-      if not _dtypes.is_floating_array(old) or new.dtype == old.dtype:
-        return new
-      if rounding is not None and np.dtype(new.dtype).itemsize > np.dtype(
-          old.dtype).itemsize:
-        key, leaf_specs = rounding
-        bits = _random_bits(key, i, old.shape, leaf_specs[i])
-        return _round_stochastic(new, old.dtype, bits)
-      return new.astype(old.dtype)
+      def back(i: int, old: Any, new: Any) -> Any:
+        if not _dtypes.is_floating_array(old) or new.dtype == old.dtype:
+          return new
+        if rounding is not None and np.dtype(new.dtype).itemsize > np.dtype(
+            old.dtype).itemsize:
+          key, leaf_specs = rounding
+          bits = _random_bits(key, i, old.shape, leaf_specs[i])
+          return _round_stochastic(new, old.dtype, bits)
+        return new.astype(old.dtype)
 
-    rounded = [back(i, o, n) for i, (o, n)
-               in enumerate(zip(stored, new_leaves, strict=True))]
-    if stochastic:
-      count = count + _inner_applied(new_inner).astype(jnp.uint32)
-    return new_updates, StateDtypesState(
-        inner_state=treedef.unflatten(rounded), seed=seed_, count=count)
+      rounded = [back(i, o, n) for i, (o, n)
+                 in enumerate(zip(stored, new_leaves, strict=True))]
+      if stochastic:
+        applied = contract.step_applied(new_inner)
+        count = count + applied.astype(jnp.uint32)
+      return new_updates, StateDtypesState(
+          inner_state=treedef.unflatten(rounded), seed=seed_, count=count)
 
-  return _optax.transformation(init, update)
+    return update
+
+  # What is stored here is half on purpose and computed in float32:
+  # loss_scaled's check for half moments leaves it be.
+  return _forwarding(
+      init, rebind, inner,
+      half_by_design=lambda s: struct.replace(s, inner_state=None))

@@ -9,14 +9,14 @@ transformation.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, struct
+from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_transformation
 from jmp_lite.finite import copy_arrays
@@ -34,23 +34,8 @@ class MasterWeightsState:
     inner_state: the wrapped optimizer's state, built from ``master``.
   """
 
-  # Gradients reach the inner optimizer cast to the master dtype: finite
-  # exactly when they were while they fit its range (``largest_gradient``),
-  # so jmp_lite.update_and_apply may decide a guard inside it up front.
-  forwards_gradients: ClassVar[bool] = True
-
   master: Any
   inner_state: Any
-
-  @property
-  def largest_gradient(self) -> float:
-    """The largest gradient magnitude the cast to the master keeps finite
-    (float16's 65504 for a float16 master; inf without float leaves)."""
-    return min((float(jnp.finfo(x.dtype).max)
-                for x in jax.tree.leaves(self.master)
-                if hasattr(x, "dtype")
-                and not jnp.issubdtype(x.dtype, jax.dtypes.extended)
-                and jnp.issubdtype(x.dtype, jnp.floating)), default=np.inf)
 
 
 def _apply(master: Any, update: Any) -> Any:
@@ -168,25 +153,34 @@ def master_weights(
     master = jax.tree.map(to_master, params)
     return MasterWeightsState(master=master, inner_state=inner.init(master))
 
-  def update(grads: Any, state: MasterWeightsState, params: Any = None,
-             **extra: Any) -> tuple[Any, MasterWeightsState]:
-    if params is None:
-      raise ValueError(
-          "master_weights needs the current params: call"
-          " opt.update(grads, state, params)"
-      )
-    updates, inner_state = inner.update(
-        _dtypes.cast_floating(grads, dtype), state.inner_state, state.master,
-        **extra)
-    new_master = jax.tree.map(_apply, state.master, updates)
-    param_updates = jax.tree.map(
-        lambda m, o, u, p: _param_update(m, o, u, p, update_dtype),
-        new_master, state.master,
-        updates, params)
-    return param_updates, MasterWeightsState(
-        master=new_master, inner_state=inner_state)
+  def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
+    def update(grads: Any, state: MasterWeightsState, params: Any = None,
+               **extra: Any) -> tuple[Any, MasterWeightsState]:
+      if params is None:
+        raise ValueError(
+            "master_weights needs the current params: call"
+            " opt.update(grads, state, params)"
+        )
+      updates, inner_state = inner_update(
+          _dtypes.cast_floating(grads, dtype), state.inner_state,
+          state.master, **extra)
+      new_master = jax.tree.map(_apply, state.master, updates)
+      param_updates = jax.tree.map(
+          lambda m, o, u, p: _param_update(m, o, u, p, update_dtype),
+          new_master, state.master,
+          updates, params)
+      return param_updates, MasterWeightsState(
+          master=new_master, inner_state=inner_state)
+    return update
 
-  return _optax.transformation(init, update)
+  # Gradients reach ``inner`` cast to the master dtype: finite exactly when
+  # they were while they fit its range, so update_and_apply may decide a
+  # guard inside up front (jmp_lite.contract).
+  return _optax.transformation(init, contract.declare(
+      rebind(inner.update), contract.Forwarding(
+          inner=inner, rebind=rebind,
+          inner_state=lambda s: s.inner_state,
+          largest_gradient=float(jnp.finfo(dtype).max))))
 
 
 def master_params(opt_state: Any) -> Any:

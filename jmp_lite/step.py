@@ -15,18 +15,18 @@ loss-scaled one by changing two lines.
 
 from __future__ import annotations
 
-import collections
 import functools
 import numbers
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import contract
 from jmp_lite import dtypes as _dtypes
 from jmp_lite.finite import all_finite
 from jmp_lite.loss_scale import (
@@ -35,88 +35,9 @@ from jmp_lite.loss_scale import (
   NoOpLossScale,
   StaticLossScale,
 )
-from jmp_lite.transforms import (
-  current_loss_scale,
-  Decided,
-  GUARD_STATES,
-  reduce_finite,
-  SkipNonfiniteState,
-  strip_decided,
-  unwrap_nnx,
-)
+from jmp_lite.transforms import current_loss_scale, reduce_finite, unwrap_nnx
 
-# optax wrappers that hand their inner optimizer the gradients unchanged.
-_FORWARDING_OPTAX = (optax.InjectHyperparamsState,
-                     optax.InjectStatefulHyperparamsState)
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
-
-
-def _forwards(node: Any, largest_gradient: float) -> bool:
-  """Whether ``node``'s transformation passes the step's gradients inward.
-
-  ``inject_hyperparams`` and any state class declaring
-  ``forwards_gradients = True`` do, while gradients of ``largest_gradient``
-  fit what the class casts them to (its ``largest_gradient``:
-  ``master_weights``' master dtype); accumulation and masking
-  (``accumulate_gradients``, ``MultiSteps``, ``multi_transform``,
-  ``masked``) and unknown wrappers are not assumed to. Chains are handled
-  by the caller: only their first element sees the gradients as they are.
-  """
-  if isinstance(node, _FORWARDING_OPTAX):
-    return True
-  if getattr(type(node), "forwards_gradients", False) is not True:
-    return False
-  return largest_gradient <= getattr(node, "largest_gradient", np.inf)
-
-
-def _chain(node: Any) -> tuple[list[Any], bool] | None:
-  """An ``optax.chain``/``named_chain`` state's elements, and whether its
-  first element is known (``None`` for any other node)."""
-  if type(node) in (tuple, list):
-    return list(node), True
-  if isinstance(node, collections.OrderedDict):  # named_chain's: in order.
-    return list(node.values()), True
-  if isinstance(node, dict):
-    # A plain dict's order is not the chain's (JAX sorts its keys when it
-    # rebuilds one): only a lone element is known to come first.
-    return list(node.values()), len(node) <= 1
-  return None
-
-
-def _find_guards(tree: Any, largest_gradient: float
-                 ) -> list[tuple[Any, tuple[str, ...]]]:
-  """Every guard state in ``tree``, with the wrappers around it that do not
-  forward the gradients."""
-  found: list[tuple[Any, tuple[str, ...]]] = []
-
-  def walk(node: Any, outside: tuple[str, ...]) -> None:
-    if isinstance(node, GUARD_STATES):
-      found.append((node, outside))
-      walk(node.inner_state, outside + (type(node).__name__,))
-      return
-    chain = _chain(node)
-    if chain is not None:
-      # A chain hands the gradients to its first element only; the others
-      # see what the elements before them made of them (optax.scale,
-      # clip or zero_nans can make finite gradients non-finite or back).
-      elements, first_known = chain
-      for i, child in enumerate(elements):
-        walk(child, outside if i == 0 and first_known else
-             outside + (f"optax.chain (element {i})",))
-      return
-    children, treedef = jax.tree_util.tree_flatten(
-        node, is_leaf=lambda x: x is not node)
-    if treedef.num_nodes == 1:  # A leaf, or a node without children.
-      return
-    inner = (outside if _forwards(node, largest_gradient)
-             else outside + (type(node).__name__,))
-    for child in children:
-      walk(child, inner)
-
-  walk(tree, ())
-  return found
-
-
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
@@ -126,54 +47,90 @@ def _largest_gradient(grads: Any) -> float:
               if _dtypes.is_floating_array(g)), default=0.0)
 
 
-def _plan(opt_state: Any, largest_gradient: float = _FLOAT32_MAX
-          ) -> tuple[str, str, Any]:
-  found = _find_guards(opt_state, largest_gradient)
-  if not found:
-    return "update", ("no loss_scaled or skip_nonfinite state: a plain"
-                      " optimizer step"), None
-  if len(found) > 1:
-    return "update", (f"{len(found)} guards (loss_scaled/skip_nonfinite)"
-                      " each decide on the gradients they see"), None
-  guard, outside = found[0]
-  if outside:
-    return "update", (f"the guard sits inside {outside[-1]}, which does not"
-                      " hand it the step's gradients as they are"
-                      " (a transformation before it in a chain,"
-                      " accumulation or masking): the guard decides"
-                      " itself"), None
-  kind, why = guard.config.formulation()
+class _Plan(NamedTuple):
+  kind: str                                 # "cond" or "update"
+  why: str
+  wrappers: tuple[contract.Forwarding, ...] = ()   # outside in
+  guard: contract.Guarding | None = None
+
+
+def _plan(optimizer: Any, largest_gradient: float = _FLOAT32_MAX) -> _Plan:
+  """How to compile a step of ``optimizer``, from what it declares.
+
+  Follows :class:`~jmp_lite.contract.Forwarding` declarations inward to a
+  :class:`~jmp_lite.contract.Guarding` one; anything undeclared on the way
+  (a user's wrapper, ``optax.chain``) means the optimizer's own update.
+  """
+  wrappers: list[contract.Forwarding] = []
+  tx = optimizer
+  while True:
+    declared = contract.contract_of(tx)
+    if declared is None:
+      if wrappers:
+        return _Plan("update", (
+            "the innermost declared wrapper wraps a transformation that"
+            " declares nothing (jmp_lite.contract): no guard to decide"))
+      return _Plan("update", (
+          "the optimizer declares no guard (jmp_lite.contract): optax.chain,"
+          " inject_hyperparams and user-written wrappers run their own"
+          " update, and any guard inside decides on what it gets"))
+    if isinstance(declared, contract.Guarding):
+      break
+    if largest_gradient > declared.largest_gradient:
+      return _Plan("update", (
+          f"a wrapper keeps gradients finite only up to"
+          f" {declared.largest_gradient:g} (a narrower master copy), and"
+          f" these may reach {largest_gradient:g}: the guard decides"
+          " itself"))
+    wrappers.append(declared)
+    tx = declared.inner
+  kind, why = declared.config.formulation()
   if kind == "select":
-    return "update", why, None
-  return "cond", ("one lax.cond around unscale, update and apply (" + why
-                  + ")"), guard
+    return _Plan("update", why)
+  return _Plan("cond", "one lax.cond around unscale, update and apply ("
+               + why + ")", tuple(wrappers), declared)
 
 
-def formulation(opt_state: Any) -> tuple[str, str]:
-  """Says how :func:`update_and_apply` will compile a step with ``opt_state``.
+def formulation(optimizer: optax.GradientTransformation,
+                grads_dtype: Any = jnp.float32) -> tuple[str, str]:
+  """Says how :func:`update_and_apply` will compile a step of ``optimizer``.
 
-  The state's structure decides, with float32 gradients assumed: float64
-  gradients into a float32 :func:`master_weights` make
-  :func:`update_and_apply` take ``"update"`` where this says ``"cond"``.
+  Read from what the transformations declare (:mod:`jmp_lite.contract`),
+  never from a state.
 
   Args:
-    opt_state: the optimizer state (its tree structure decides).
+    optimizer: the optimizer.
+    grads_dtype: the gradients' floating dtype (float64 gradients into a
+      float32 :func:`master_weights` take ``"update"``).
 
   Returns:
     ``("cond", why)`` when the step is decided up front with one
     ``lax.cond``; ``("update", why)`` when it runs ``optimizer.update`` and
     applies the updates (each guard inside then skips on its own).
 
+  Raises:
+    TypeError: if ``optimizer`` is not a gradient transformation (an
+      optimizer *state*, as this function took before 0.4).
+
   Example:
-    >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.loss_scaled(optax.adam(1e-3), "c=f16")
-    >>> jmp_lite.step.formulation(opt.init(jnp.ones(2)))[0]  # on the CPU
+    >>> import optax, jmp_lite
+    >>> jmp_lite.step.formulation(
+    ...     jmp_lite.loss_scaled(optax.adam(1e-3), "c=f16"))[0]  # on the CPU
     'cond'
-    >>> jmp_lite.step.formulation(optax.adam(1e-3).init(jnp.ones(2)))[0]
+    >>> jmp_lite.step.formulation(optax.adam(1e-3))[0]
     'update'
   """
-  kind, why, _ = _plan(unwrap_nnx(opt_state))
-  return kind, why
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise TypeError(
+        "formulation takes the optimizer (an optax.GradientTransformation),"
+        f" got {type(optimizer).__name__}: the step is planned from what the"
+        " transformations declare, not from a state; pass"
+        " formulation(optimizer)")
+  largest = float(jnp.finfo(_dtypes.to_floating_dtype(
+      grads_dtype, "grads_dtype")).max)
+  plan = _plan(optimizer, largest)
+  return plan.kind, plan.why
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
@@ -221,31 +178,29 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
   Returns what ``u, s = optimizer.update(grads, opt_state, params, **extra)``
   followed by ``(optax.apply_updates(params, u), s)`` returns: bit for bit on
   skipped steps, within an ulp on applied ones (XLA may fuse the arithmetic
-  differently). Any optimizer works; with one :func:`~jmp_lite.loss_scaled`
-  or :func:`~jmp_lite.skip_nonfinite` ("guard") inside, the step is compiled
-  the cheapest way the structure allows:
+  differently). Any optimizer works. How the step compiles is read from
+  what the optimizer's transformations *declare* (:mod:`jmp_lite.contract`),
+  never from the state:
 
-  * **One** ``lax.cond`` **for the whole step** when the guard is the
-    optimizer itself or sits inside wrappers that hand it the gradients as
-    they are (first in an ``optax.chain``, ``inject_hyperparams``,
-    :func:`~jmp_lite.master_weights` whose master dtype holds the
-    gradients' range, or a state class declaring ``forwards_gradients =
-    True``) and its own formulation is
-    ``"cond"``
-    (``skip_with="auto"`` on the CPU; not with ``check_updates`` or a scale
-    that may drop below 1). The finiteness of ``grads`` is read once (and
-    agreed over the guard's ``axis_name``); the taken branch unscales, runs
-    the inner update and applies it, fused, with no select and no copy of a
-    donated buffer; the skipped branch runs the wrappers around the guard
-    on its ``-0.0`` updates, so params and the guard's inner state come
-    back bit-identical and only the guard's counters and loss scale move.
-  * ``optimizer.update`` + apply otherwise: several guards (e.g. per
-    partition), a guard after another element of a chain (``clip``,
-    ``scale`` or ``zero_nans`` before it change which gradients it sees
-    finite), a guard inside an accumulation or masking wrapper
-    (:func:`~jmp_lite.accumulate_gradients`, ``MultiSteps``,
-    ``multi_transform``: only the guard sees its own decision), or a
-    ``"select"`` guard. Each guard then skips inside its own ``update``.
+  * **One** ``lax.cond`` **for the whole step** when the optimizer is a
+    :func:`~jmp_lite.loss_scaled` or :func:`~jmp_lite.skip_nonfinite`
+    ("guard"), or reaches one through declared forwarding wrappers
+    (:func:`~jmp_lite.master_weights` whose master dtype holds the
+    gradients' range, :func:`~jmp_lite.kahan_summation`,
+    :func:`~jmp_lite.stochastic_rounding`, :func:`~jmp_lite.state_dtypes`),
+    and the guard's formulation is ``"cond"`` (``skip_with="auto"`` on the
+    CPU; not with ``check_updates`` or a scale that may drop below 1). The
+    finiteness of ``grads`` is read once (and agreed over the guard's
+    ``axis_name``); the taken branch unscales, runs the inner update and
+    applies it, fused, with no select and no copy of a donated buffer; the
+    skipped branch runs the wrappers around the guard on its ``-0.0``
+    updates, so params and the guard's inner state come back bit-identical
+    and only the guard's counters and loss scale move.
+  * ``optimizer.update`` + apply otherwise: a transformation that declares
+    nothing (``optax.chain``, ``inject_hyperparams``, ``MultiSteps``,
+    :func:`~jmp_lite.accumulate_gradients`, any wrapper you write: it may
+    change which gradients the guard sees finite), or a ``"select"`` guard.
+    Each guard then skips inside its own ``update``.
 
   :func:`jmp_lite.step.formulation` says which path a state takes, and why.
   No host syncs either way. Jit the train step with ``donate_argnums`` for
@@ -319,23 +274,29 @@ def _step(optimizer: optax.GradientTransformation, grads: Any,
           opt_state: Any, params: Any,
           extra: dict[str, Any]) -> tuple[Any, Any]:
   """:func:`update_and_apply` on plain pytrees."""
-  kind, _, guard = _plan(opt_state, _largest_gradient(grads))
-  if kind == "update":
+  plan = _plan(optimizer, _largest_gradient(grads))
+  if plan.guard is None:
     updates, new_state = optimizer.update(grads, opt_state, params, **extra)
     return apply_updates(params, updates), new_state
 
+  guard = plan.guard
+  guard_state = opt_state
+  for wrapper in plan.wrappers:
+    guard_state = wrapper.inner_state(guard_state)
+  if guard.check is not None:
+    guard.check(guard_state)
   finite = reduce_finite(all_finite(grads), guard.config.axis_name)
   apply = finite
-  if isinstance(guard, SkipNonfiniteState):
-    apply = finite & ~jnp.asarray(guard.halted, jnp.bool_)
+  if guard.blocked is not None:
+    apply = finite & ~guard.blocked(guard_state)
 
   def branch(decision: bool) -> Callable[[], tuple[Any, Any]]:
     def run() -> tuple[Any, Any]:
-      marked = jax.tree.map(
-          lambda n: Decided(n, finite, decision) if n is guard else n,
-          opt_state, is_leaf=lambda n: n is guard)
-      updates, new_state = optimizer.update(grads, marked, params, **extra)
-      return apply_updates(params, updates), strip_decided(new_state)
+      update = guard.decided(finite, decision)
+      for wrapper in reversed(plan.wrappers):
+        update = wrapper.rebind(update)
+      updates, new_state = update(grads, opt_state, params, **extra)
+      return apply_updates(params, updates), new_state
     return run
 
   return jax.lax.cond(apply, branch(True), branch(False))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, struct
+from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_bool, check_count, check_transformation
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
@@ -136,7 +136,7 @@ def _check_axis_name(axis_name: Any) -> Any:
 
 
 @struct.dataclass
-class SkipNonfiniteState:
+class SkipNonfiniteState(contract.Gate):
   """State of :func:`skip_nonfinite`.
 
   Attributes:
@@ -157,9 +157,37 @@ class SkipNonfiniteState:
   config: GuardConfig = struct.field(static=True, default=GuardConfig())
   max_consecutive_skips: int | None = struct.field(static=True, default=None)
 
+  def applied(self) -> jax.Array:
+    """Whether the last step was applied (see :class:`jmp_lite.contract.Gate`).
+
+    Returns:
+      A bool scalar: the gradients were finite and training had not halted.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.skip_nonfinite(optax.sgd(0.1))
+      >>> bool(opt.init(jnp.ones(2)).applied())
+      True
+    """
+    return jnp.asarray(self.last_finite & ~self.halted, jnp.bool_)
+
+  def inner(self) -> Any:
+    """The wrapped optimizer's state (see :class:`jmp_lite.contract.Gate`).
+
+    Returns:
+      ``inner_state``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.skip_nonfinite(optax.sgd(0.1))
+      >>> opt.init(jnp.ones(2)).inner()
+      (EmptyState(), EmptyState())
+    """
+    return self.inner_state
+
 
 @struct.dataclass
-class LossScaledState:
+class LossScaledState(contract.Gate):
   """State of :func:`loss_scaled`.
 
   Attributes:
@@ -185,52 +213,33 @@ class LossScaledState:
   nonfinite: Any = None
   config: GuardConfig = struct.field(static=True, default=GuardConfig())
 
+  def applied(self) -> jax.Array:
+    """Whether the last step was applied (see :class:`jmp_lite.contract.Gate`).
 
-GUARD_STATES = (SkipNonfiniteState, LossScaledState)
+    Returns:
+      ``last_finite``, a bool scalar.
 
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), "f32")
+      >>> bool(opt.init(jnp.ones(2)).applied())
+      True
+    """
+    return jnp.asarray(self.last_finite, jnp.bool_)
 
-@struct.dataclass
-class Decided:
-  """A guard's state, marked with a decision taken outside the guard.
+  def inner(self) -> Any:
+    """The wrapped optimizer's state (see :class:`jmp_lite.contract.Gate`).
 
-  :func:`jmp_lite.update_and_apply` computes the step's finiteness once,
-  branches on it with ``lax.cond``, and hands each branch the optimizer
-  state with the guard's state wrapped in this marker: the guard then applies
-  (``apply=True``) or skips (``apply=False``) without checking again. The
-  guard returns its new state wrapped alike, so that wrappers which rebuild
-  their inner state's tree structure see one structure in and out;
-  :func:`strip_decided` removes the markers. Never part of a state a user
-  holds.
+    Returns:
+      ``inner_state``.
 
-  Attributes:
-    state: the guard's state.
-    finite: whether the step's gradients were finite (bool scalar).
-    apply: the branch's decision (static).
-  """
-
-  state: Any
-  finite: Any
-  apply: bool = struct.field(static=True, default=True)
-
-
-def strip_decided(tree: Any) -> Any:
-  """Replaces every :class:`Decided` marker in ``tree`` by its state.
-
-  Args:
-    tree: an optimizer state.
-
-  Returns:
-    The state without markers.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite.transforms import Decided, strip_decided
-    >>> strip_decided((Decided("s", jnp.array(True)),))
-    ('s',)
-  """
-  return jax.tree.map(
-      lambda n: n.state if isinstance(n, Decided) else n, tree,
-      is_leaf=lambda n: isinstance(n, Decided))
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), "f32")
+      >>> opt.init(jnp.ones(2)).inner()
+      (EmptyState(), EmptyState())
+    """
+    return self.inner_state
 
 
 class _Counters(NamedTuple):
@@ -362,8 +371,15 @@ def _guarded_update(inner: optax.GradientTransformation, grads: Any,
   return new_updates, new_inner, apply
 
 
+class _Decision(NamedTuple):
+  """A skip decision taken outside the guard (by update_and_apply)."""
+
+  finite: jax.Array   # the gradients were finite (agreed over axis_name)
+  apply: bool         # this branch applies the step (static)
+
+
 def _decided_update(inner: optax.GradientTransformation, grads: Any,
-                    inner_state: Any, params: Any, decision: Decided,
+                    inner_state: Any, params: Any, decision: _Decision,
                     extra: dict[str, Any], prepare: Any = None
                     ) -> tuple[Any, Any, jax.Array]:
   """The guard's part of a step decided outside it (no check, no select)."""
@@ -373,6 +389,28 @@ def _decided_update(inner: optax.GradientTransformation, grads: Any,
     return new_updates, new_inner, jnp.ones((), jnp.bool_)
   return (_skipped_updates(inner, grads, inner_state, params, extra),
           inner_state, jnp.zeros((), jnp.bool_))
+
+
+def _check_config(state: Any, config: GuardConfig, who: str,
+                  **more: tuple[Any, Any]) -> None:
+  """Raises unless ``state`` was made by a guard configured as this one.
+
+  The guard's configuration is read from the optimizer, never from the
+  state: a state made under another one (a checkpoint of another run, an
+  optimizer rebuilt with another ``axis_name``) would otherwise mix the
+  two, e.g. one device deciding alone while the others agree.
+  """
+  mismatched = [("config", state.config, config)] if state.config != config \
+      else []
+  mismatched += [(k, got, want) for k, (got, want) in more.items()
+                 if got != want]
+  if mismatched:
+    what = "; ".join(f"the state's {k} is {got!r}, the optimizer's {want!r}"
+                     for k, got, want in mismatched)
+    raise ValueError(
+        f"{who}(...).update got a state that another configuration made:"
+        f" {what}. Step a state with the optimizer whose init made it (or"
+        " rebuild the optimizer with the state's settings)")
 
 
 def skip_nonfinite(
@@ -461,28 +499,33 @@ def skip_nonfinite(
         max_consecutive_skips=max_consecutive_skips,
     )
 
-  def update(updates: Any, state: SkipNonfiniteState | Decided,
-             params: Any = None,
-             **extra: Any) -> tuple[Any, SkipNonfiniteState | Decided]:
-    decision = state if isinstance(state, Decided) else None
-    own: SkipNonfiniteState = (state.state if isinstance(state, Decided)
-                               else state)
-    _check_own_state(own, SkipNonfiniteState, "skip_nonfinite")
+  def check(state: Any) -> None:
+    _check_own_state(state, SkipNonfiniteState, "skip_nonfinite")
+    _check_config(state, config, "skip_nonfinite", max_consecutive_skips=(
+        state.max_consecutive_skips, max_consecutive_skips))
+
+  def blocked(state: Any) -> jax.Array:
+    return jnp.asarray(state.halted, jnp.bool_)
+
+  def run(updates: Any, state: SkipNonfiniteState, params: Any,
+          extra: dict[str, Any], decision: _Decision | None
+          ) -> tuple[Any, SkipNonfiniteState]:
+    check(state)
     if decision is not None:
       finite = decision.finite
       new_updates, new_inner, apply = _decided_update(
-          inner, updates, own.inner_state, params, decision, extra)
+          inner, updates, state.inner_state, params, decision, extra)
     else:
       finite = reduce_finite(all_finite(updates), axis_name)
-      apply = finite & ~jnp.asarray(own.halted, jnp.bool_)
+      apply = finite & ~jnp.asarray(state.halted, jnp.bool_)
       new_updates, new_inner, _ = _guarded_update(
-          inner, updates, own.inner_state, params, apply, extra,
+          inner, updates, state.inner_state, params, apply, extra,
           branch=config.formulation()[0] == "cond")
-    halted = jnp.asarray(own.halted, jnp.bool_)
-    counts = _count(apply, own.total_skips, own.consecutive_skips)
+    halted = jnp.asarray(state.halted, jnp.bool_)
+    counts = _count(apply, state.total_skips, state.consecutive_skips)
     if max_consecutive_skips is not None:
       halted = halted | (counts.consecutive_skips >= max_consecutive_skips)
-    new_state = SkipNonfiniteState(
+    return new_updates, SkipNonfiniteState(
         inner_state=new_inner,
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
@@ -491,11 +534,8 @@ def skip_nonfinite(
         config=config,
         max_consecutive_skips=max_consecutive_skips,
     )
-    if decision is not None:
-      return new_updates, struct.replace(decision, state=new_state)
-    return new_updates, new_state
 
-  return _optax.transformation(init, update)
+  return _guard(init, run, config, check, blocked=blocked)
 
 
 def default_loss_scale(policy: Policy | str) -> LossScale:
@@ -532,20 +572,30 @@ def default_loss_scale(policy: Policy | str) -> LossScale:
   return NoOpLossScale()
 
 
-def _without_half_by_design(tree: Any) -> Any:
-  """``tree`` less the fields its state classes keep half on purpose
-  (``half_by_design``: Kahan's compensation, state_dtypes' stored state)."""
-  def designed(node: Any) -> bool:
-    return bool(getattr(type(node), "half_by_design", ()))
+def _guard(init: Any, run: Any, config: GuardConfig, check: Any,
+           blocked: Any = None) -> optax.GradientTransformationExtraArgs:
+  """A guard transformation from its ``run`` (see :class:`_Decision`),
+  declared to :func:`jmp_lite.update_and_apply` (:mod:`jmp_lite.contract`).
+  """
+  def update(updates: Any, state: Any, params: Any = None,
+             **extra: Any) -> tuple[Any, Any]:
+    return run(updates, state, params, extra, None)
 
-  def strip(node: Any) -> Any:
-    if not designed(node):
-      return node
-    return dataclasses.replace(node, **{
-        f.name: None if f.name in type(node).half_by_design
-        else _without_half_by_design(getattr(node, f.name))
-        for f in dataclasses.fields(node)})
-  return jax.tree.map(strip, tree, is_leaf=designed)
+  def decided(finite: jax.Array, apply: bool) -> contract.UpdateFn:
+    def update_decided(updates: Any, state: Any, params: Any = None,
+                       **extra: Any) -> tuple[Any, Any]:
+      return run(updates, state, params, extra, _Decision(finite, apply))
+    return update_decided
+
+  return _optax.transformation(init, contract.declare(
+      update, contract.Guarding(config=config, decided=decided,
+                                blocked=blocked, check=check)))
+
+
+def _scale_kind(loss_scale: Any) -> Any:
+  """A loss scale's class and static settings (``period``, ``factor``,
+  ``hysteresis``...): its own pytree node, children as leaves."""
+  return jax.tree.structure(loss_scale, is_leaf=lambda n: n is not loss_scale)
 
 
 def _check_own_state(state: Any, cls: type, who: str) -> None:
@@ -673,6 +723,7 @@ def loss_scaled(
   if check_updates is None:
     check_updates = allow_half_state
   initial_scale = loss_scale
+  scale_kind = _scale_kind(loss_scale)
   check_unscaled = _may_amplify(loss_scale)
   config = GuardConfig(axis_name=_check_axis_name(axis_name),
                        skip_with=_check_skip_with(skip_with),
@@ -687,7 +738,8 @@ def loss_scaled(
 
   def init(params: Any) -> LossScaledState:
     inner_state = inner.init(params)
-    half = half_precision_leaves(_without_half_by_design(inner_state))
+    half = half_precision_leaves(
+        contract.without_half_by_design(inner, inner_state))
     if half and not allow_half_state:
       raise TypeError(
           "The optimizer state would hold half-precision leaves: "
@@ -709,17 +761,20 @@ def loss_scaled(
         config=config,
     )
 
-  def update(grads: Any, state: LossScaledState | Decided, params: Any = None,
-             **extra: Any) -> tuple[Any, LossScaledState | Decided]:
-    decision = state if isinstance(state, Decided) else None
-    own: LossScaledState = (state.state if isinstance(state, Decided)
-                            else state)
-    _check_own_state(own, LossScaledState, "loss_scaled")
-    scale = own.loss_scale
+  def check(state: Any) -> None:
+    _check_own_state(state, LossScaledState, "loss_scaled")
+    _check_config(state, config, "loss_scaled", name=(state.name, name),
+                  loss_scale=(_scale_kind(state.loss_scale), scale_kind))
+
+  def run(grads: Any, state: LossScaledState, params: Any,
+          extra: dict[str, Any], decision: _Decision | None
+          ) -> tuple[Any, LossScaledState]:
+    check(state)
+    scale = state.loss_scale
     if decision is not None:
       # Decided by update_and_apply from these very gradients.
       new_updates, new_inner, apply = _decided_update(
-          inner, grads, own.inner_state, params, decision, extra,
+          inner, grads, state.inner_state, params, decision, extra,
           prepare=scale.unscale)
       finite = apply
       counted = grads
@@ -729,7 +784,7 @@ def loss_scaled(
       # Unscaling by 1/scale <= 1 cannot overflow (may_amplify is false).
       finite = reduce_finite(all_finite(grads), axis_name)
       new_updates, new_inner, apply = _guarded_update(
-          inner, grads, own.inner_state, params, finite, extra,
+          inner, grads, state.inner_state, params, finite, extra,
           prepare=scale.unscale, branch=True)
       counted = grads
     else:
@@ -741,11 +796,11 @@ def loss_scaled(
         finite = finite & all_finite(grads)
       finite = reduce_finite(finite, axis_name)
       new_updates, new_inner, apply = _guarded_update(
-          inner, grads, own.inner_state, params, finite, extra,
+          inner, grads, state.inner_state, params, finite, extra,
           check_updates=check_updates, axis_name=axis_name)
       counted = grads
-    counts = _count(apply, own.total_skips, own.consecutive_skips)
-    new_state = LossScaledState(
+    counts = _count(apply, state.total_skips, state.consecutive_skips)
+    return new_updates, LossScaledState(
         inner_state=new_inner,
         # The scale answers to the gradients only: an update that overflows
         # inside the optimizer is not the loss scale's doing.
@@ -753,15 +808,12 @@ def loss_scaled(
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
         last_finite=apply,
-        name=own.name,
+        name=name,
         nonfinite=_tracked_after(decision, counted),
         config=config,
     )
-    if decision is not None:
-      return new_updates, struct.replace(decision, state=new_state)
-    return new_updates, new_state
 
-  def _tracked_after(decision: Decided | None, grads: Any) -> Any:
+  def _tracked_after(decision: _Decision | None, grads: Any) -> Any:
     if track_nonfinite and decision is not None and decision.apply:
       # Finite by decision: the counts are zeros, no need to read them.
       return jax.tree.map(
@@ -769,7 +821,7 @@ def loss_scaled(
           if _dtypes.is_inexact_array(x) else None, grads)
     return tracked(grads)
 
-  return _optax.transformation(init, update)
+  return _guard(init, run, config, check)
 
 
 def _may_amplify(loss_scale: LossScale) -> bool:

@@ -638,7 +638,7 @@ def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
   state = opt.init(params)
   # Our wrappers hand the guard the gradients as they are, so the step
   # compiles as the bare guard's would (one lax.cond on the CPU).
-  assert jmp_lite.step.formulation(state)[0] == AUTO_KIND
+  assert jmp_lite.step.formulation(opt)[0] == AUTO_KIND
   step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
   plain = jax.jit(lambda p, s, g: (lambda us: (optax.apply_updates(
       p, us[0]), us[1]))(opt.update(g, s, p)))
@@ -749,7 +749,7 @@ def test_loss_scaled_outside_needs_no_allow_half_state(inner):
   }[inner](), NOOP)
   params = _params()
   state = opt.init(params)
-  assert jmp_lite.step.formulation(state)[0] == AUTO_KIND
+  assert jmp_lite.step.formulation(opt)[0] == AUTO_KIND
   step = jax.jit(lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p))
   params, state = step(params, state, _grads(0))
   skipped = step(params, state, _grads(1, bad=True))

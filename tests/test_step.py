@@ -76,8 +76,10 @@ COMPOSITIONS = {
     "skip_nonfinite": (
         lambda: jmp_lite.skip_nonfinite(_inner(), max_consecutive_skips=50),
         jnp.float32, False, AUTO_KIND, True),
+    # optax.chain declares nothing (jmp_lite.contract): its guard decides
+    # for itself, inside the chain's update.
     "chain": (lambda: optax.chain(_ls(), optax.scale(1.0)), jnp.float32, True,
-              AUTO_KIND, True),
+              "update", True),
     "master_weights": (lambda: jmp_lite.master_weights(_ls()), jnp.bfloat16,
                        True, AUTO_KIND, True),
     # inject_hyperparams *around* the guard counts every step, as it does
@@ -87,7 +89,7 @@ COMPOSITIONS = {
             lambda learning_rate: jmp_lite.loss_scaled(
                 optax.adam(learning_rate), _scale()))(
                     learning_rate=optax.linear_schedule(1e-2, 1e-3, 40)),
-        jnp.float32, True, AUTO_KIND, False),
+        jnp.float32, True, "update", False),
     "accumulate_gradients": (
         lambda: jmp_lite.accumulate_gradients(_ls(), every_k=2), jnp.float32,
         True, "update", False),
@@ -170,7 +172,7 @@ def test_update_and_apply_matches_the_update_path(name):
   new_step, old_step = _steps(opt, scaled)
   params = _params(dtype)
   state = opt.init(params)
-  assert jmp_lite.step.formulation(state)[0] == kind
+  assert jmp_lite.step.formulation(opt)[0] == kind
   for i, (x, y) in enumerate(_batches(N_STEPS)):
     fault = FAULTS.get(i)
     args = (x, y, _mask(fault), jnp.float32(fault[2] if fault else 0.0))
@@ -274,7 +276,7 @@ def test_the_formulation_is_what_runs(skip_with):
   params = _params()
   state = opt.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
-  kind, why = jmp_lite.step.formulation(state)
+  kind, why = jmp_lite.step.formulation(opt)
   prims = _top_level_primitives(
       lambda p, s, g: jmp_lite.update_and_apply(opt, g, s, p), params, state,
       grads)
@@ -290,40 +292,36 @@ def test_the_formulation_is_what_runs(skip_with):
 
 
 def test_formulation_reasons():
-  params = _params()
-
-  def kind_and_why(opt):
-    return jmp_lite.step.formulation(opt.init(params))
-
+  """Read from what the transformations declare, never from a state."""
+  kind_and_why = jmp_lite.step.formulation
   kind, why = kind_and_why(optax.adam(1e-3))
-  assert kind == "update" and "no loss_scaled" in why
+  assert kind == "update" and "declares no guard" in why
   kind, why = kind_and_why(jmp_lite.loss_scaled(
       optax.adam(1e-3), _scale(), check_updates=True))
   assert kind == "update" and "check_updates" in why
   kind, why = kind_and_why(jmp_lite.loss_scaled(
       optax.adam(1e-3), jmp_lite.DynamicLossScale(4.0, min_loss_scale=0.25)))
   assert kind == "update" and "below 1" in why
-  kind, why = kind_and_why(jmp_lite.skip_nonfinite(_ls()))
-  assert kind == "update" and "2 guards" in why
-  kind, why = kind_and_why(jmp_lite.accumulate_gradients(_ls(), every_k=2))
-  assert kind == "update" and "AccumulateState" in why
-  kind, why = kind_and_why(optax.chain(optax.clip(1.0), _ls()))
-  assert kind == "update" and "optax.chain (element 1)" in why
-  kind, why = kind_and_why(optax.named_chain(("clip", optax.clip(1.0)),
-                                             ("guarded", _ls())))
-  assert kind == "update" and "optax.chain (element 1)" in why
-  assert kind_and_why(optax.chain(_ls(), optax.scale(0.5)))[0] == AUTO_KIND
-  assert kind_and_why(optax.named_chain(
-      ("guarded", _ls()), ("scale", optax.scale(0.5))))[0] == AUTO_KIND
-  # A plain dict (a named_chain state rebuilt by jax.tree.map or a restore)
-  # sorts its keys: its order is not the chain's.
-  named = optax.named_chain(("z", optax.scale(1e10)), ("a", _ls()))
-  resorted = jax.tree.map(lambda x: x, dict(named.init(params)))
-  assert list(resorted) == ["a", "z"]
-  assert jmp_lite.step.formulation(resorted)[0] == "update"
+  # The outer guard decides up front; the inner one decides for itself.
+  assert kind_and_why(jmp_lite.skip_nonfinite(_ls()))[0] == AUTO_KIND
+  for undeclared in (
+      jmp_lite.accumulate_gradients(_ls(), every_k=2),
+      optax.chain(optax.clip(1.0), _ls()),
+      optax.chain(_ls(), optax.scale(0.5)),
+      optax.named_chain(("guarded", _ls()), ("scale", optax.scale(0.5))),
+      optax.MultiSteps(_ls(), every_k_schedule=2).gradient_transformation()):
+    kind, why = kind_and_why(undeclared)
+    assert kind == "update" and "declares no guard" in why
+  kind, why = kind_and_why(jmp_lite.master_weights(optax.adam(1e-3)))
+  assert kind == "update" and "declares nothing" in why
+  assert kind_and_why(jmp_lite.master_weights(_ls()))[0] == AUTO_KIND
   kind, why = kind_and_why(jmp_lite.master_weights(
       jmp_lite.loss_scaled(optax.sgd(0.1), _scale()), dtype=jnp.float16))
-  assert kind == "update" and "MasterWeightsState" in why
+  assert kind == "update" and "65504" in why
+  assert kind_and_why(jmp_lite.master_weights(_ls()),
+                      grads_dtype=jnp.float16)[0] == AUTO_KIND
+  with pytest.raises(TypeError, match="takes the optimizer"):
+    kind_and_why(_ls().init(_params()))
 
 
 @pytest.mark.parametrize("case", ["scale before", "float16 master",
@@ -346,7 +344,7 @@ def test_finite_gradients_the_guard_sees_as_inf_are_skipped(case):
     grads = {"w": jnp.asarray([big, 1.0, 1.0], params["w"].dtype)}
     state = opt.init(params)
     assert jmp_lite.step._plan(
-        state, jmp_lite.step._largest_gradient(grads))[0] == "update"
+        opt, jmp_lite.step._largest_gradient(grads)).kind == "update"
     updates, want_state = opt.update(grads, state, params)
     want = optax.apply_updates(params, updates)
     got, got_state = jax.jit(jmp_lite.update_and_apply, static_argnums=0)(
@@ -896,7 +894,7 @@ def test_apply_gradients_is_the_train_state_method_through_one_cond(level,
       chex.assert_trees_all_equal(ours.params, before)
   guard = jmp_lite.loss_scaled_state(ours.opt_state)
   assert int(guard.total_skips) == 1
-  assert jmp_lite.step.formulation(ours.opt_state)[0] == AUTO_KIND
+  assert jmp_lite.step.formulation(ours.tx)[0] == AUTO_KIND
 
 
 def test_apply_gradients_never_recompiles_and_checks_its_input():

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite import struct
+from jmp_lite import contract, struct
 from jmp_lite.accumulation import AccumulateState
 from jmp_lite.finite import check_scalar_bool
 from jmp_lite.fp8._recipes import ScalingState
-from jmp_lite.transforms import GUARD_STATES, unwrap_nnx
+from jmp_lite.transforms import unwrap_nnx
 
 T = TypeVar("T")
 
@@ -23,14 +23,27 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, ScalingState)
 
 
+def _guards(tree: Any) -> list[contract.Gate]:
+  """The outermost gates that are not accumulators (whose word is the
+  window's end), looking inside accumulators."""
+  found: list[contract.Gate] = []
+  for gate in struct.find_nodes(tree, contract.Gate):
+    if isinstance(gate, AccumulateState):
+      found += _guards(gate.inner())
+    else:
+      found.append(gate)
+  return found
+
+
 def step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
   """``(window_end, applied)`` of the step that returned ``opt_state``.
 
   ``window_end``: the update call closed an accumulation window (always true
   without ``accumulate_gradients``/``optax.MultiSteps``: their ``mini_step``
   is back at 0 exactly when the window's update was emitted). ``applied``:
-  every ``loss_scaled``/``skip_nonfinite`` guard in it applied that step
-  (true without a guard). Jit-safe.
+  every ``loss_scaled``/``skip_nonfinite`` guard in it applied that step, as
+  its state says (:class:`jmp_lite.contract.Gate`: a halted
+  ``skip_nonfinite`` applies nothing; true without a guard). Jit-safe.
 
   Args:
     opt_state: the optimizer state *returned* by this step's ``update``.
@@ -62,8 +75,10 @@ def step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
   else:
     window_end = jnp.ones((), jnp.bool_)
   applied = jnp.ones((), jnp.bool_)
-  for guard in struct.find_nodes(opt_state, GUARD_STATES):
-    applied = applied & jnp.asarray(guard.last_finite, jnp.bool_)
+  # Every gate's own word (jmp_lite.contract.Gate): a halted
+  # skip_nonfinite skips finite steps, which its last_finite does not say.
+  for guard in _guards(opt_state):
+    applied = applied & jnp.asarray(guard.applied(), jnp.bool_)
   return window_end, applied
 
 

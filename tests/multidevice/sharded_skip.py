@@ -156,7 +156,7 @@ def check_update_and_apply_data_parallel():
   opt = make_opt()
   params = jax.device_put(init_params(), repl)
   state = jax.device_put(opt.init(params), repl)
-  assert jmp_lite.step.formulation(state)[0] == "cond"
+  assert jmp_lite.step.formulation(opt)[0] == "cond"
 
   def step(params, state, x, y):
     loss, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params, x, y)
@@ -228,7 +228,7 @@ def check_update_and_apply_shard_map():
       out_specs=(P("data"), P("data")), check_vma=False))
   params = init_params()
   state = opt.init(params)
-  assert jmp_lite.step.formulation(state)[0] == "cond"
+  assert jmp_lite.step.formulation(opt)[0] == "cond"
   all_params, all_states = step(params, state, *batch())
   assert (np.asarray(all_states.loss_scale.loss_scale) == 2.0**9).all()
   assert (np.asarray(all_states.total_skips) == 1).all()
