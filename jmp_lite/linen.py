@@ -46,17 +46,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 
 from jmp_lite import _jaxpr
-from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._linen_attention import dot_product_attention_fp32
-from jmp_lite._linen_cache import apply_arrays as _apply_arrays
+from jmp_lite._linen_cache import apply_arrays as _apply_arrays  # noqa: F401
 from jmp_lite._linen_cache import (
   aval_key,
   lookup,
@@ -71,7 +70,7 @@ from jmp_lite._linen_intercept import (
   PolicyCall,
   restore_dtypes,
 )
-from jmp_lite.diagnostics import tree_bytes
+from jmp_lite._linen_report import trace_report
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport, ReportRow
 from jmp_lite.rules import FLOAT32, Rule
@@ -89,9 +88,9 @@ __all__ = ["DtypeReport", "FLOAT32", "MixedPrecision", "NORM_LAYERS",
            "ReportRow", "Rule", "dot_product_attention_fp32", "dtype_report",
            "mixed_precision"]
 
-# The function a policy's traced applies are compiled from (tests/conftest.py
-# leaves this nested jax.jit's compiler options alone).
-_apply_arrays = _apply_arrays
+# `_apply_arrays` (imported above) is the function a policy's traced applies
+# are compiled from, under the name tests/conftest.py knows: it leaves that
+# nested jax.jit's compiler options alone.
 
 
 def _call_method(method: Any) -> Callable[..., Any]:
@@ -492,23 +491,6 @@ def mixed_precision(
                         remat_norms=remat_norms, cache_traces=cache_traces)
 
 
-def _own_params(tree: Any) -> dict[Path, Any]:
-  """Each module path's own params (leaves that are not submodule dicts)."""
-  out: dict[Path, Any] = {}
-
-  def walk(node: Any, path: Path) -> None:
-    own = {k: v for k, v in node.items() if not isinstance(v, Mapping)}
-    if own:
-      out[path] = own
-    for k, v in node.items():
-      if isinstance(v, Mapping):
-        walk(v, path + (str(k),))
-
-  if isinstance(tree, Mapping):
-    walk(tree, ())
-  return out
-
-
 def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
                  method: Any = None, **kwargs: Any) -> DtypeReport:
   """Traces ``model`` once (abstractly) and reports what every module computed.
@@ -544,16 +526,4 @@ def dtype_report(model: MixedPrecision, variables: Any, *args: Any,
     raise TypeError(
         "dtype_report expects a jmp_lite.linen.MixedPrecision (from"
         f" mixed_precision(...)), got {type(model).__name__}")
-  recorder = _report.Recorder()
-  # Nested policies inside record their modules here too: the interceptor
-  # hands each one `recorder.under(its path)` in its PolicyCall.
-  run = PolicyCall(_as_method(method), recorder)
-
-  def f(v: Any, a: tuple, k: dict) -> Any:
-    return nn.Module.apply(model, v, *a, method=run, mutable=True, **k)
-
-  arrays, rebuild = _jaxpr.split_array_args((dict(variables), args, kwargs))
-  jaxpr = jax.make_jaxpr(lambda *xs: f(*rebuild(xs)))(*arrays)
-  stored = _own_params(variables.get("params", {}))
-  return recorder.report(jaxpr, stored,
-                         tree_bytes(variables.get("params", {})))
+  return trace_report(model, variables, _as_method(method), args, kwargs)

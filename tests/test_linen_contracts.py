@@ -82,8 +82,9 @@ def test_no_module_level_mutable_state():
   import jmp_lite._linen_attention as attention
   import jmp_lite._linen_cache as cache
   import jmp_lite._linen_intercept as intercept
+  import jmp_lite._linen_report as report
 
-  for module in (jl, cache, intercept, attention, compat):
+  for module in (jl, cache, intercept, attention, compat, report):
     for name, value in vars(module).items():
       assert not isinstance(value, threading.local), (module, name)
       assert not isinstance(value, (list, set, dict)) or name in {
