@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.path_rules import path_string
+from jmp_lite._nonfinite import nonfinite_counts, nonfinite_paths
 from jmp_lite.policy import get_policy
+from jmp_lite.transforms import current_loss_scale, unwrap_nnx
 
 __all__ = ["GradientHealth", "Misaligned", "NonfiniteOrigin",
            "PrecisionWarning", "check_alignment", "check_hardware",
@@ -77,55 +77,6 @@ def tree_bytes(tree: Any) -> int:
     seen.add(id(x))
     total += int(np.prod(x.shape)) * x.dtype.itemsize
   return total
-
-
-def nonfinite_counts(tree: Any) -> Any:
-  """Counts the +-inf/NaN elements of every inexact leaf (int32 scalars).
-
-  Args:
-    tree: gradients (or any pytree).
-
-  Returns:
-    A pytree of the same structure: an int32 count per inexact leaf, ``None``
-    elsewhere. Jit-safe.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> counts = jmp_lite.nonfinite_counts(
-    ...     {"a": jnp.array([1., jnp.inf, jnp.nan]), "b": jnp.ones(2)})
-    >>> int(counts["a"]), int(counts["b"])
-    (2, 0)
-  """
-  return jax.tree.map(
-      lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
-      if _dtypes.is_inexact_array(x) else None, tree)
-
-
-def nonfinite_paths(counts: Any) -> dict[str, int]:
-  """The paths with a non-zero count, from :func:`nonfinite_counts` (host).
-
-  Args:
-    counts: the counts pytree (device values are fetched: a host sync).
-
-  Returns:
-    ``{"layer/kernel": count}`` for every leaf with non-finite elements.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> grads = {"dense": {"w": jnp.array([jnp.nan, 1.0])}, "b": jnp.ones(1)}
-    >>> jmp_lite.nonfinite_paths(jmp_lite.nonfinite_counts(grads))
-    {'dense/w': 1}
-  """
-  out = {}
-  for path, value in jax.tree_util.tree_flatten_with_path(counts)[0]:
-    if np.ndim(value) != 0:  # Say so, rather than numpy's scalar error.
-      raise ValueError(
-          f"nonfinite_paths takes counts from nonfinite_counts (a scalar per"
-          f" leaf), got shape {np.shape(value)} at {path_string(path)!r}")
-    n = int(value)
-    if n:
-      out[path_string(path)] = n
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +168,6 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
 
 def _checked_scale(loss_scale: Any) -> Any:
   """``loss_scale``'s scale value, checked where it is known (not traced)."""
-  # Local: jmp_lite.transforms imports modules that import this one.
-  from jmp_lite.transforms import current_loss_scale, unwrap_nnx
   value: Any = unwrap_nnx(loss_scale)   # An nnx.Optimizer's variables.
   numeric = (numbers.Number, jax.Array, np.ndarray, np.generic)
   if not (hasattr(value, "loss_scale")
@@ -309,48 +258,25 @@ def _ranges(values: Sequence[Any]) -> tuple[tuple[float, float], ...]:
   return tuple(out)
 
 
-def _scope(outer: str, eqn: Any) -> str:
-  # An inner jaxpr's name stacks are relative to the equation that calls it.
-  inner = str(eqn.source_info.name_stack)
-  return "/".join(s for s in (outer, inner) if s)
-
-
-def _eval_checking(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-                   within: tuple[str, ...], scope: str = "") -> list[Any]:
-  env: dict[Any, Any] = {}
-  read = lambda a: a.val if _jaxpr.is_literal(a) else env[a]
-  for var, value in zip(jaxpr.constvars, consts, strict=True):
-    env[var] = value
-  for var, value in zip(jaxpr.invars, args, strict=True):
-    env[var] = value
-  for eqn in jaxpr.eqns:
-    invals = [read(a) for a in eqn.invars]
-    inlined = _jaxpr.inline_jaxpr(eqn)
-    if inlined is not None:
-      sub, sub_consts = inlined
-      outs = _eval_checking(sub, sub_consts, invals,
-                            within + (eqn.primitive.name,),
-                            _scope(scope, eqn))
-    else:
-      outs = _jaxpr.bind(eqn, dict(eqn.params), invals)
-    bad = sum(int(np.sum(~np.isfinite(np.asarray(o))))
-              for o in outs if _dtypes.is_inexact_array(o))
-    if bad:
-      inputs_finite = all(
-          bool(np.all(np.isfinite(np.asarray(v)))) for v in invals
-          if _dtypes.is_inexact_array(v))
-      if inputs_finite:
-        floats = [np.dtype(v.dtype).name for v in invals
-                  if _dtypes.is_floating_array(v)]
-        raise _Found(NonfiniteOrigin(
-            primitive=eqn.primitive.name,
-            location=_jaxpr.source_location(eqn),
-            dtype=floats[0] if floats else "-",
-            input_ranges=_ranges(invals), output_nonfinite=bad,
-            within=within, scope=_scope(scope, eqn)))
-    for var, value in zip(eqn.outvars, outs, strict=True):
-      env[var] = value
-  return [read(v) for v in jaxpr.outvars]
+def _check_finite(site: _jaxpr.Site, invals: Sequence[Any],
+                  outs: Sequence[Any]) -> None:
+  """Raises :class:`_Found` if ``site`` made inf/NaN from finite inputs."""
+  bad = sum(int(np.sum(~np.isfinite(np.asarray(o))))
+            for o in outs if _dtypes.is_inexact_array(o))
+  if not bad:
+    return
+  inputs_finite = all(
+      bool(np.all(np.isfinite(np.asarray(v)))) for v in invals
+      if _dtypes.is_inexact_array(v))
+  if inputs_finite:
+    floats = [np.dtype(v.dtype).name for v in invals
+              if _dtypes.is_floating_array(v)]
+    raise _Found(NonfiniteOrigin(
+        primitive=site.primitive,
+        location=_jaxpr.source_location(site.eqn),
+        dtype=floats[0] if floats else "-",
+        input_ranges=_ranges(invals), output_nonfinite=bad,
+        within=site.within, scope=site.scope))
 
 
 def find_nonfinite(fn: Callable[..., Any], *args: Any,
@@ -399,13 +325,14 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     return fn(*a, **k)
 
   closed, _ = _jaxpr.trace(flat, *arrays)
-  if any(_jaxpr.is_tracer(c) for c in closed.consts):   # Closed over.
+  if any(map(_jaxpr.is_tracer, _jaxpr.jaxpr_and_consts(closed)[1])):
+    # Closed over.
     raise TypeError(
         "find_nonfinite runs fn eagerly, primitive by primitive, on concrete"
         " values; fn closes over traced values (it was called under jit,"
         " grad or vmap). Call it outside the jitted step, on the same inputs")
   try:
-    _eval_checking(closed.jaxpr, closed.consts, arrays, ())
+    _jaxpr.interpret(closed, arrays, _check_finite)
   except _Found as found:
     return found.origin
   return None
@@ -436,22 +363,6 @@ def _check_callable(fn: Any, what: str) -> None:
 
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
-
-
-def _matmul_dims(eqn: Any) -> dict[str, int]:
-  if eqn.primitive.name == "dot_general":
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    rhs = eqn.invars[1].aval.shape
-    m = math.prod(d for i, d in enumerate(lhs) if i not in lc and i not in lb)
-    n = math.prod(d for i, d in enumerate(rhs) if i not in rc and i not in rb)
-    k = math.prod(lhs[i] for i in lc)
-    return {"M": m, "N": n, "K": k}
-  dn = eqn.params["dimension_numbers"]
-  rhs = eqn.invars[1].aval.shape
-  groups = eqn.params.get("feature_group_count", 1)
-  return {"out_channels": rhs[dn.rhs_spec[0]],
-          "in_channels": rhs[dn.rhs_spec[1]] * groups}
 
 
 def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
@@ -497,22 +408,18 @@ def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
   closed = jax.make_jaxpr(lambda *xs: (lambda a, k: fn(*a, **k))(
       *rebuild(xs)))(*arrays)
   found: list[Misaligned] = []
-
-  def walk(jaxpr: Any) -> None:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-        dims = {k: v for k, v in _matmul_dims(eqn).items() if v % multiple}
-        if dims:
-          fixes = ", ".join(f"{k} {v} -> {_round_up(v, multiple)}"
-                            for k, v in dims.items())
-          found.append(Misaligned(
-              primitive=eqn.primitive.name,
-              location=_jaxpr.source_location(eqn), dims=dims,
-              hint=f"pad to multiples of {multiple}: {fixes}"))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(closed.jaxpr)
+  for site in _jaxpr.walk(closed):
+    if not _jaxpr.is_matmul(site.eqn):
+      continue
+    dims = {k: v for k, v in _jaxpr.matmul_dims(site.eqn).items()
+            if v % multiple}
+    if dims:
+      fixes = ", ".join(f"{k} {v} -> {_round_up(v, multiple)}"
+                        for k, v in dims.items())
+      found.append(Misaligned(
+          primitive=site.primitive,
+          location=_jaxpr.source_location(site.eqn), dims=dims,
+          hint=f"pad to multiples of {multiple}: {fixes}"))
   return found
 
 

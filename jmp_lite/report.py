@@ -26,17 +26,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex
 
+from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.autocasting import _FLOAT32_SCOPE
+from jmp_lite._autocast.options import FLOAT32_SCOPE
 from jmp_lite.diagnostics import tree_bytes
 
 __all__ = ["DtypeReport", "ReportRow"]
 
 Path = tuple[str, ...]
 
-_MATMULS = ("dot_general", "conv_general_dilated")
 _TOKEN = "jmp_lite_module_"
 _TOKEN_RE = re.compile(_TOKEN + r"(\d+)")
 # One per outermost call of a module, to count the calls that made it into
@@ -45,7 +44,7 @@ _CALL = "jmp_lite_call_"
 _CALL_RE = re.compile(_CALL + r"(\d+)")
 # A scope name in a name stack, however transforms wrap it
 # (`transpose(jvp(jmp_lite_float32))`).
-_FLOAT32_RE = re.compile(r"(?<![\w])" + _FLOAT32_SCOPE + r"(?![\w])")
+_FLOAT32_RE = re.compile(r"(?<![\w])" + FLOAT32_SCOPE + r"(?![\w])")
 _F32_NAME = np.dtype(np.float32).name
 
 
@@ -337,27 +336,17 @@ def _join(names: set[str]) -> str:
 
 
 def _call_ids(closed_jaxpr: Any) -> set[int]:
-  """The module call ids in any equation's name stack (sub-jaxprs too)."""
-  out: set[int] = set()
-
-  def walk(jaxpr: Any, prefix: str) -> None:
-    for eqn in jaxpr.eqns:
-      stack = prefix + "/" + str(eqn.source_info.name_stack)
-      out.update(int(m.group(1)) for m in _CALL_RE.finditer(stack))
-      for sub in jex.jaxprs_in_params(eqn.params):
-        walk(sub, stack)
-
-  walk(closed_jaxpr.jaxpr, "")
-  return out
+  """The module call ids in any equation's scope path (sub-jaxprs too)."""
+  return {int(m.group(1)) for site in _jaxpr.walk(closed_jaxpr)
+          for m in _CALL_RE.finditer(site.scope)}
 
 
 def _matmul_dtypes_by_scope(closed_jaxpr: Any
                             ) -> dict[int, set[tuple[str, bool]]]:
   """Operand dtypes of every matmul/convolution, by innermost module token.
 
-  Walks sub-jaxprs (``jit``, ``scan``, ``cond``, ``remat``, custom
-  derivatives), whose name stacks are relative to the equation that holds
-  them.
+  Sub-jaxprs (``jit``, ``scan``, ``cond``, ``remat``, custom derivatives)
+  included, each equation under its full scope path.
 
   Args:
     closed_jaxpr: a traced jaxpr.
@@ -377,21 +366,14 @@ def _matmul_dtypes_by_scope(closed_jaxpr: Any
     {-1: {('float32', True)}}
   """
   out: dict[int, set[tuple[str, bool]]] = {}
-
-  def walk(jaxpr: Any, prefix: str) -> None:
-    for eqn in jaxpr.eqns:
-      stack = prefix + "/" + str(eqn.source_info.name_stack)
-      if eqn.primitive.name in _MATMULS:
-        tokens = list(_TOKEN_RE.finditer(stack))
-        token = int(tokens[-1].group(1)) if tokens else -1
-        # Only a region inside the module's own scope is its own choice.
-        inner = stack[tokens[-1].end():] if tokens else stack
-        region = _FLOAT32_RE.search(inner) is not None
-        names = {(np.dtype(v.aval.dtype).name, region)
-                 for v in eqn.invars[:2]}
-        out.setdefault(token, set()).update(names)
-      for sub in jex.jaxprs_in_params(eqn.params):
-        walk(sub, stack)
-
-  walk(closed_jaxpr.jaxpr, "")
+  for site in _jaxpr.walk(closed_jaxpr):
+    if not _jaxpr.is_matmul(site.eqn):
+      continue
+    tokens = list(_TOKEN_RE.finditer(site.scope))
+    token = int(tokens[-1].group(1)) if tokens else -1
+    # Only a region inside the module's own scope is its own choice.
+    inner = site.scope[tokens[-1].end():] if tokens else site.scope
+    region = _FLOAT32_RE.search(inner) is not None
+    names = {(name, region) for name in _jaxpr.operand_dtype_names(site.eqn)}
+    out.setdefault(token, set()).update(names)
   return out

@@ -77,6 +77,39 @@ def test_find_nonfinite_names_the_first_primitive():
   assert jmp_lite.find_nonfinite(loss, x, w * 3) is None
 
 
+def test_find_nonfinite_names_a_call_whose_body_made_it_from_a_constant():
+  """inf from a constant inside a jit: no primitive in the body had only
+  finite inputs, so the jit call that returned it is named."""
+  def loss(x):
+    return jax.jit(lambda y: y * jnp.inf)(x).sum()
+
+  origin = jmp_lite.find_nonfinite(loss, jnp.ones(3))
+  assert origin is not None
+  assert (origin.primitive, origin.within) == ("jit", ())
+  assert origin.input_ranges == ((1.0, 1.0),) and origin.output_nonfinite == 3
+
+
+def test_diagnostics_and_the_nonfinite_counts_import_no_cycle():
+  """transforms and diagnostics share nonfinite_counts through a module that
+  imports neither; diagnostics imports transforms at the top only."""
+  import ast
+  import pathlib
+
+  import jmp_lite._nonfinite
+
+  def imports(module, top_only):
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    nodes = tree.body if top_only else ast.walk(tree)
+    return {n.module for n in nodes if isinstance(n, ast.ImportFrom)}
+
+  assert not {"jmp_lite.transforms", "jmp_lite.diagnostics"} & imports(
+      jmp_lite._nonfinite, top_only=False)
+  from jmp_lite import diagnostics
+  assert imports(diagnostics, top_only=False) == imports(
+      diagnostics, top_only=True)   # No function-local imports.
+  assert jmp_lite.nonfinite_counts is jmp_lite._nonfinite.nonfinite_counts
+
+
 def test_find_nonfinite_names_the_layer_scope():
   """It named flax's Dense source line, the same for every layer; the name
   stack says which layer (found by a review)."""

@@ -1,0 +1,80 @@
+"""Which parts of a call's arguments are traced, and what a tracer is.
+
+:func:`split_array_args` is the one rule for which leaves of a function's
+arguments are traced (array leaves) and which are passed through as Python
+values (everything else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import core as jax_core
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+def split_array_args(
+    tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+  """Splits a pytree into its array leaves and a function that rebuilds it.
+
+  Array leaves (``jax.Array`` including tracers, typed PRNG keys and
+  ``float0`` arrays; numpy arrays and scalars; ``jax.ShapeDtypeStruct``) are
+  what a tracing transformation should trace. Every other leaf (functions
+  such as ``jax.nn.relu`` held by an Equinox module, Python numbers, strings,
+  ``None``) is kept as it is and put back by ``rebuild``.
+
+  Args:
+    tree: any pytree, e.g. ``(args, kwargs)`` of a call.
+
+  Returns:
+    ``(arrays, rebuild)``: the array leaves in ``jax.tree.leaves`` order, and
+    ``rebuild(new_arrays)`` giving ``tree`` with those leaves replaced.
+
+  Raises:
+    ValueError: from ``rebuild``, for a number of arrays other than the
+      number taken out.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._jaxpr import split_array_args
+    >>> arrays, rebuild = split_array_args(({"w": jnp.ones(2), "act": abs}, 3))
+    >>> len(arrays), rebuild([jnp.zeros(2)])[0]["act"] is abs
+    (1, True)
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, x in enumerate(leaves) if isinstance(x, _ARRAY_TYPES)]
+  arrays = [leaves[i] for i in where]
+
+  def rebuild(new_arrays: Sequence[Any]) -> Any:
+    if len(new_arrays) != len(where):
+      raise ValueError(f"expected {len(where)} arrays, got {len(new_arrays)}")
+    full = list(leaves)
+    for i, x in zip(where, new_arrays, strict=True):
+      full[i] = x
+    return jax.tree.unflatten(treedef, full)
+
+  return arrays, rebuild
+
+
+def is_tracer(x: Any) -> bool:
+  """Whether ``x`` is a value being traced by a JAX transformation.
+
+  Args:
+    x: any value.
+
+  Returns:
+    ``True`` for a tracer (under ``jit``, ``grad``, ``vmap``...).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite._jaxpr import is_tracer
+    >>> seen = []
+    >>> _ = jax.jit(lambda x: seen.append(is_tracer(x)) or x)(1.0)
+    >>> is_tracer(jnp.ones(2)), seen
+    (False, [True])
+  """
+  return isinstance(x, jax_core.Tracer)
