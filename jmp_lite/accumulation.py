@@ -85,7 +85,8 @@ def accumulate_gradients(
 
   The pinned behaviour, for mixed precision:
 
-  * The accumulator is ``dtype`` (float32) whatever the params' dtype.
+  * The accumulator is ``dtype`` (float32) whatever the params' dtype
+    (complex params: the complex dtype of that precision, complex64).
   * On the last micro-batch of a window, ``inner`` gets the mean gradient; on
     the others updates are ``-0.0`` and the inner state is untouched, so a
     :func:`loss_scaled` inside adjusts its scale once per optimizer step and
@@ -127,16 +128,23 @@ def accumulate_gradients(
   every_k = check_count(every_k, "every_k")
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
+  def acc_dtype(x: Any) -> Any:
+    # Complex leaves accumulate in the complex dtype of ``dtype``'s
+    # precision: a real accumulator would drop their imaginary parts.
+    if jnp.iscomplexobj(x):
+      return jnp.promote_types(dtype, jnp.complex64)
+    return dtype
+
   def to_acc(x: Any) -> Any:
-    return x.astype(dtype) if _dtypes.is_floating_array(x) else x
+    return x.astype(acc_dtype(x)) if _dtypes.is_inexact_array(x) else x
 
   def init(params: Any) -> AccumulateState:
     # Non-floating leaves are carried as copies: a state leaf must never be a
     # param's own buffer, which a donated step would donate twice. zeros_like:
     # the accumulator takes its param's sharding.
     acc = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=dtype)
-        if _dtypes.is_floating_array(p) else copy_arrays(p), params)
+        lambda p: jnp.zeros_like(p, dtype=acc_dtype(p))
+        if _dtypes.is_inexact_array(p) else copy_arrays(p), params)
     return AccumulateState(
         acc=acc, mini_step=jnp.zeros((), jnp.int32),
         poisoned=jnp.zeros((), jnp.bool_), inner_state=inner.init(params))
@@ -147,7 +155,7 @@ def accumulate_gradients(
     poisoned = state.poisoned | ~finite
 
     def add(acc: Any, g: Any) -> Any:
-      if not _dtypes.is_floating_array(acc):
+      if not _dtypes.is_inexact_array(acc):
         return acc
       return jnp.where(finite, acc + to_acc(g), acc)
 
@@ -155,12 +163,12 @@ def accumulate_gradients(
     emit = state.mini_step == every_k - 1
 
     def mean(a: Any, g: Any) -> Any:
-      if not _dtypes.is_floating_array(a):
+      if not _dtypes.is_inexact_array(a):
         return g
       m = a / every_k
       # A poisoned window hands on NaN so that the wrapped guard skips it.
       m = jnp.where(poisoned, jnp.asarray(np.nan, m.dtype), m)
-      return m.astype(g.dtype) if _dtypes.is_floating_array(g) else m
+      return m.astype(g.dtype) if _dtypes.is_inexact_array(g) else m
 
     mean_grads = jax.tree.map(mean, acc, grads)
     updates, new_inner = inner.update(mean_grads, state.inner_state, params,
@@ -169,7 +177,7 @@ def accumulate_gradients(
     inner_state = select_tree(emit, new_inner, state.inner_state)
     acc = jax.tree.map(
         lambda a: jnp.where(emit, jnp.zeros((), a.dtype), a)
-        if _dtypes.is_floating_array(a) else a, acc)
+        if _dtypes.is_inexact_array(a) else a, acc)
     return updates, AccumulateState(
         acc=acc,
         mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),

@@ -11,9 +11,13 @@ plain-Python model of it):
 * Any non-finite step resets ``counter`` to 0 and adds one to
   ``nonfinite_counter``. When that reaches ``hysteresis`` the scale backs off
   to ``max(loss_scale * backoff_factor, min_loss_scale)`` and
-  ``nonfinite_counter`` restarts at 0. A finite step resets
-  ``nonfinite_counter`` to 0, so only *consecutive* non-finite steps count
-  (PaddlePaddle's ``decr_every_n_nan_or_inf``).
+  ``nonfinite_counter`` restarts at 0. With ``hysteresis_reset="finite"``
+  (the default) a finite step resets ``nonfinite_counter`` to 0, so only
+  *consecutive* non-finite steps count (PaddlePaddle's
+  ``decr_every_n_nan_or_inf``). With ``hysteresis_reset="growth"``
+  (Colossal-AI's and Megatron-LM's rule) only a growth of the scale resets
+  it: non-finite steps count across finite ones, and once ``hysteresis`` of
+  them have been seen every further one backs off, until the scale grows.
 * The scale is a float32 scalar, never non-finite, never above
   ``max_loss_scale`` and never below ``min_loss_scale``.
 """
@@ -25,12 +29,11 @@ import numbers
 from typing import Any, TypeVar
 
 import jax
-import jax.core  # Imported explicitly so that type checkers see it.
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _jaxpr, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite import struct
 from jmp_lite.finite import check_scalar_bool
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
@@ -115,7 +118,7 @@ def _as_count(value: Any, what: str, bound: str, limit: int) -> Any:
         f"{what} must be an integer, got {type(value).__name__}"
         + (f" of dtype {dtype}" if dtype is not None else "")
         + f": {value!r}")
-  if not isinstance(value, jax.core.Tracer):
+  if not _jaxpr.is_tracer(value):
     checked: Any = value  # An integer or integer array, as checked above.
     if np.ndim(checked) != 0:
       raise ValueError(
@@ -128,7 +131,7 @@ def _as_count(value: Any, what: str, bound: str, limit: int) -> Any:
 
 def _concrete(value: Any) -> float | None:
   """The Python value of a concrete scalar, or None for a tracer."""
-  if isinstance(value, jax.core.Tracer):
+  if _jaxpr.is_tracer(value):
     return None
   return float(value)
 
@@ -332,9 +335,15 @@ class DynamicLossScale(_MultiplyingScale):
     backoff_factor: multiplier on back-off, in (0, 1); ``None`` means
       ``1 / factor`` (static).
     max_loss_scale: upper bound of the scale; 2**24 as in Apex (float32 leaf).
-    hysteresis: consecutive non-finite steps that trigger one back-off (static).
-    nonfinite_counter: consecutive non-finite steps since the last back-off or
-      finite step (int32 leaf).
+    hysteresis: non-finite steps that trigger a back-off (static).
+    nonfinite_counter: non-finite steps counted towards ``hysteresis``
+      (int32 leaf, at most ``hysteresis``).
+    hysteresis_reset: what resets ``nonfinite_counter`` (static):
+      ``"finite"`` (default): every finite step and every back-off, so
+      only consecutive non-finite steps back off (PaddlePaddle);
+      ``"growth"``: only a growth of the scale, so that after
+      ``hysteresis`` non-finite steps every further one backs off
+      (Colossal-AI, Megatron-LM).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -357,8 +366,15 @@ class DynamicLossScale(_MultiplyingScale):
   max_loss_scale: Any = struct.field(default=2.0**24, kw_only=True)
   hysteresis: int = struct.field(static=True, default=1, kw_only=True)
   nonfinite_counter: Any = struct.field(default=0, kw_only=True)
+  hysteresis_reset: str = struct.field(static=True, default="finite",
+                                       kw_only=True)
 
   def __post_init__(self) -> None:
+    if self.hysteresis_reset not in _HYSTERESIS_RESETS:
+      raise ValueError(
+          f"hysteresis_reset must be one of {_HYSTERESIS_RESETS} ('finite':"
+          " PaddlePaddle's rule; 'growth': Colossal-AI's and Megatron-LM's),"
+          f" got {self.hysteresis_reset!r}")
     period = _check_static_int(self.period, "period", 1)
     hysteresis = _check_static_int(self.hysteresis, "hysteresis", 1)
     factor = _check_static_real(self.factor, "factor")
@@ -432,7 +448,14 @@ class DynamicLossScale(_MultiplyingScale):
     shrunk = jnp.maximum(scale * backoff, self.min_loss_scale)
     new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
     new_counter = jnp.where(finite & ~grow, counter, 0)
-    new_nonfinite = jnp.where(finite | back_off, 0, nonfinite)
+    if self.hysteresis_reset == "finite":
+      new_nonfinite = jnp.where(finite | back_off, 0, nonfinite)
+    else:
+      # Kept across finite steps and back-offs (capped: reaching hysteresis
+      # once is what counts), cleared when the scale grows.
+      kept = jnp.minimum(jnp.where(finite, nonfinite - 1, nonfinite),
+                         self.hysteresis)
+      new_nonfinite = jnp.where(grow, 0, kept)
     return struct.replace(
         self,
         loss_scale=new_scale.astype(jnp.float32),
@@ -440,6 +463,8 @@ class DynamicLossScale(_MultiplyingScale):
         nonfinite_counter=new_nonfinite.astype(jnp.int32),
     )
 
+
+_HYSTERESIS_RESETS = ("finite", "growth")
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 """Any of the three loss-scale states (the name ``jmp`` users import)."""

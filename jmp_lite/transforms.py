@@ -35,14 +35,14 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, contract, struct
+from jmp_lite import _jaxpr, _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_bool, check_count, check_transformation
+from jmp_lite._nonfinite import nonfinite_counts
 from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -336,6 +336,37 @@ def _skipped_updates(inner: optax.GradientTransformation, grads: Any,
   return jax.tree.map(_minus_zero, shapes)
 
 
+def _check_stable_state(old: Any, new: Any) -> None:
+  """Raises unless ``inner``'s new state has its old one's dtypes.
+
+  A skipped step keeps the old state, so both must be one type: optax's Adam
+  on bfloat16 params fed float32 gradients promotes its moments to float32
+  on the first step, which a skip cannot match (JAX said only "cond branches
+  must have equal output types").
+  """
+  old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
+  new_leaves, new_def = jax.tree.flatten(new)
+  if old_def != new_def:
+    raise TypeError(
+        "The inner optimizer's update changed its state's structure"
+        f" ({old_def} -> {new_def}); a guard keeps the old state on a skipped"
+        " step, so both must be one type")
+  changed = [
+      f"{jax.tree_util.keystr(path)}: {np.dtype(a.dtype).name} ->"
+      f" {np.dtype(b.dtype).name}"
+      for (path, a), b in zip(old_leaves, new_leaves, strict=True)
+      if hasattr(a, "dtype") and hasattr(b, "dtype") and a.dtype != b.dtype]
+  if changed:
+    raise TypeError(
+        "The inner optimizer's update changes its state's dtypes ("
+        + ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
+        + "), which a skipped step, keeping the old state, cannot match."
+        " Usually half-precision params with float32 gradients: give the"
+        " gradients the params' dtype, keep float32 master weights"
+        " (jmp_lite.master_weights(...) around the guard), or fix the"
+        " moments' dtype (optax.adam(..., mu_dtype=...))")
+
+
 def _guarded_update(inner: optax.GradientTransformation, grads: Any,
                     inner_state: Any, params: Any, apply: jax.Array,
                     extra: dict[str, Any], *, prepare: Any = None,
@@ -354,7 +385,9 @@ def _guarded_update(inner: optax.GradientTransformation, grads: Any,
     prepare = lambda g: g  # noqa: E731
   if branch:
     def taken() -> tuple[Any, Any]:
-      return inner.update(prepare(grads), inner_state, params, **extra)
+      out = inner.update(prepare(grads), inner_state, params, **extra)
+      _check_stable_state(inner_state, out[1])
+      return out
 
     def skipped() -> tuple[Any, Any]:
       return (_skipped_updates(inner, grads, inner_state, params, extra),
@@ -364,6 +397,7 @@ def _guarded_update(inner: optax.GradientTransformation, grads: Any,
     return new_updates, new_inner, apply
   new_updates, new_inner = inner.update(prepare(grads), inner_state, params,
                                         **extra)
+  _check_stable_state(inner_state, new_inner)
   if check_updates:
     apply = apply & reduce_finite(all_finite(new_updates), axis_name)
   new_updates = skip_updates(apply, new_updates)
@@ -386,6 +420,7 @@ def _decided_update(inner: optax.GradientTransformation, grads: Any,
   if decision.apply:
     g = grads if prepare is None else prepare(grads)
     new_updates, new_inner = inner.update(g, inner_state, params, **extra)
+    _check_stable_state(inner_state, new_inner)
     return new_updates, new_inner, jnp.ones((), jnp.bool_)
   return (_skipped_updates(inner, grads, inner_state, params, extra),
           inner_state, jnp.zeros((), jnp.bool_))
@@ -733,7 +768,6 @@ def loss_scaled(
   def tracked(grads: Any) -> Any:
     if not track_nonfinite:
       return None
-    from jmp_lite.diagnostics import nonfinite_counts  # Avoids an import cycle.
     return nonfinite_counts(grads)
 
   def init(params: Any) -> LossScaledState:
@@ -831,7 +865,7 @@ def _may_amplify(loss_scale: LossScale) -> bool:
   lowest = (loss_scale.min_loss_scale
             if isinstance(loss_scale, DynamicLossScale)
             else loss_scale.loss_scale)
-  if isinstance(lowest, jax.core.Tracer):
+  if _jaxpr.is_tracer(lowest):
     return True  # Unknown while tracing: take the safe path.
   return bool(float(lowest) < 1.0)
 

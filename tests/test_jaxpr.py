@@ -214,7 +214,7 @@ _JAX_INTERNALS = re.compile(
 # TODO(issue 28): modules other engineers own that still name jax.core
 # (jax.core.Tracer; _jaxpr.is_tracer is the replacement). Remove each entry
 # when its module is fixed.
-_PENDING = {"loss_scale.py", "transforms.py"}
+_PENDING: set[str] = set()
 
 
 def test_no_module_outside_the_jaxpr_package_touches_jax_internals():

@@ -351,3 +351,58 @@ def test_optax_multisteps_composition_and_its_pinned_poisoning():
   # Growth once per optimizer step (period=1), then the poisoned window backs
   # off, and every later window stays non-finite and keeps backing off.
   assert scales == [64.0, 128.0, 128.0, 64.0, 64.0, 32.0, 32.0, 16.0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.float32])
+def test_accumulate_gradients_averages_complex_params(dtype):
+  """Complex leaves kept only the last micro-batch (a real accumulator
+  skipped them): with k=2 and gradients 1+1j, 3+3j the update was -(3+3j)."""
+  opt = jmp_lite.accumulate_gradients(optax.sgd(1.0), every_k=2)
+  params = jnp.zeros(2, dtype)
+  state = opt.init(params)
+  assert state.acc.dtype == dtype
+  g1, g2 = (jnp.full(2, 1 + 1j), jnp.full(2, 3 + 3j))
+  if dtype == jnp.float32:
+    g1, g2 = g1.real, g2.real
+  _, state = opt.update(g1.astype(dtype), state, params)
+  updates, state = opt.update(g2.astype(dtype), state, params)
+  chex.assert_trees_all_close(updates, -(g1 + g2).astype(dtype) / 2)
+
+
+def test_a_nonfinite_complex_micro_batch_poisons_its_window():
+  opt = jmp_lite.accumulate_gradients(
+      jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0)),
+      every_k=2)
+  params = jnp.ones(2, jnp.complex64)
+  state = opt.init(params)
+  for g in (jnp.array([1 + 1j, complex(np.nan, 0)], jnp.complex64),
+            jnp.ones(2, jnp.complex64)):
+    updates, state = opt.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_equal(params, jnp.ones(2, jnp.complex64))
+  guard = jmp_lite.loss_scaled_state(state)
+  assert int(guard.total_skips) == 1
+  assert float(guard.loss_scale.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("via", ["update", "update_and_apply"])
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_a_guard_whose_inner_state_changes_dtype_says_what_to_change(
+    via, skip_with):
+  """skip_nonfinite(adam) on bfloat16 params fed float32 gradients failed
+  deep inside JAX ("cond branches must have equal output types")."""
+  opt = jmp_lite.skip_nonfinite(optax.adam(1e-3), skip_with=skip_with)
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  state = opt.init(params)
+  grads = {"w": jnp.ones(3, jnp.float32)}
+  with pytest.raises(TypeError, match=r"mu\['w'\]: bfloat16 -> float32.*"
+                     r"master_weights"):
+    if via == "update":
+      opt.update(grads, state, params)
+    else:
+      jmp_lite.update_and_apply(opt, grads, state, params)
+  # What the message says to do runs.
+  fixed = jmp_lite.master_weights(opt)
+  state = fixed.init(params)
+  new, _ = jmp_lite.update_and_apply(fixed, grads, state, params)
+  assert new["w"].dtype == jnp.bfloat16
