@@ -125,13 +125,16 @@ def _check_skip_with(skip_with: Any) -> str:
 
 
 def _check_axis_name(axis_name: Any) -> Any:
-  try:
-    hash(axis_name)
-  except TypeError:
+  # A mapped axis is named by a string (or a tuple of them for several mesh
+  # axes); a number or a list is a mistake that would fail only at the
+  # first pmin, deep inside a jitted step.
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if axis_name is not None and not (
+      names and all(isinstance(n, str) for n in names)):
     raise TypeError(
-        "axis_name must be None, a str or a tuple of str (a hashable mapped"
-        f" axis name), got {type(axis_name).__name__}: {axis_name!r}"
-    ) from None
+        "axis_name must be None, a str or a tuple of str (the mapped axis"
+        " name given to shard_map/pmap), got"
+        f" {type(axis_name).__name__}: {axis_name!r}")
   return axis_name
 
 

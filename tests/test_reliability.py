@@ -406,3 +406,14 @@ def test_a_guard_whose_inner_state_changes_dtype_says_what_to_change(
   state = fixed.init(params)
   new, _ = jmp_lite.update_and_apply(fixed, grads, state, params)
   assert new["w"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("bad", [5, ["d"], ("d", 1), ()])
+def test_axis_name_must_name_an_axis(bad):
+  for build in (lambda: jmp_lite.loss_scaled(optax.sgd(0.1), "f32",
+                                             axis_name=bad),
+                lambda: jmp_lite.skip_nonfinite(optax.sgd(0.1),
+                                                axis_name=bad)):
+    with pytest.raises(TypeError, match="axis_name must be None, a str or a"
+                       " tuple of str"):
+      build()
