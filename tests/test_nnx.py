@@ -379,9 +379,12 @@ def test_submodules_called_directly_run_under_the_policy():
   model.encoder(x)
   assert_dtype(_value(model.encoder.bn.mean), jnp.float32)
   assert not np.allclose(_value(model.encoder.bn.mean), mean)
-  # A subclass (isinstance holds); the user's model keeps its classes.
-  assert isinstance(model.encoder, Encoder)
-  assert type(model.encoder).__name__ == "EncoderUnderPolicy"
+  # A view of the stored module, which is exactly the model's own class (no
+  # subclass stands in for it); the user's model keeps its classes too.
+  stored = dict(nnx.iter_graph(model))
+  assert type(stored[("encoder",)]) is Encoder
+  assert model.encoder.lin.kernel is stored[("encoder", "lin", "kernel")]
+  assert not isinstance(model.encoder, nnx.Module)
   bare = Autoencoder(nnx.Rngs(0))
   jnnx.mixed_precision(bare, "c=bf16")
   assert type(bare.encoder) is Encoder and type(bare.decoder) is nnx.Linear
@@ -637,9 +640,202 @@ def test_models_defined_in_a_script_pickle(monkeypatch):
   monkeypatch.setattr(sys.modules["__main__"], "MainBlock", MainBlock,
                       raising=False)
   model = jnnx.mixed_precision(Encoder(nnx.Rngs(0)), "c=bf16")
-  model.lin = MainBlock(nnx.Rngs(1))   # Wrapped again below: guarded.
+  model.lin = MainBlock(nnx.Rngs(1))   # Model surgery, then wrapped again.
   model = jnnx.mixed_precision(model, "c=bf16")
   restored = pickle.loads(pickle.dumps(model))
-  assert type(restored.lin) is type(model.lin)
+  assert type(vars(restored)["lin"]) is MainBlock
   chex.assert_trees_all_equal(restored.lin(jnp.ones((1, 3))),
                               model.lin(jnp.ones((1, 3))))
+
+
+# -- Issue 28: nothing the user hands over is modified ------------------------
+
+def _module_classes():
+  """Every subclass of nnx.Module that exists now."""
+  found, todo = set(), [nnx.Module]
+  while todo:
+    for sub in todo.pop().__subclasses__():
+      if sub not in found:
+        found.add(sub)
+        todo.append(sub)
+  return found
+
+
+def _snapshot(model):
+  """Each module of ``model``: its class, attribute names and arrays."""
+  return {path: (type(m), sorted(vars(m)),
+                 [v.get_value() for v in vars(m).values()
+                  if isinstance(v, nnx.Variable)])
+          for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+
+
+def _assert_unchanged(model, snapshot):
+  now = _snapshot(model)
+  assert set(now) == set(snapshot)
+  for path, (cls, names, arrays) in snapshot.items():
+    got_cls, got_names, got_arrays = now[path]
+    assert got_cls is cls, path
+    assert got_names == names, path
+    assert len(got_arrays) == len(arrays)
+    assert all(a is b for a, b in zip(got_arrays, arrays, strict=True)), path
+
+
+def _assert_own_classes(model):
+  """Every module below the root is an instance of a class its module
+  defines under its name (no class made at run time), none of jmp_lite's."""
+  import importlib
+  for path, m in nnx.iter_graph(model):
+    if not path or not isinstance(m, nnx.Module):
+      continue
+    cls = type(m)
+    assert not cls.__module__.startswith("jmp_lite"), (path, cls)
+    if "<locals>" not in cls.__qualname__:
+      found = importlib.import_module(cls.__module__)
+      for part in cls.__qualname__.split("."):
+        found = getattr(found, part)
+      assert found is cls, (path, cls)
+
+
+def test_wrapping_and_calling_change_no_module_and_make_no_class():
+  """Issue 28: the adapter set __class__ on the stored submodules (to
+  generated <Name>UnderPolicy subclasses) and on per-call copies."""
+  user = Autoencoder(nnx.Rngs(0))
+  before = _snapshot(user)
+  classes = _module_classes()
+  model = jnnx.mixed_precision(user, "p=bf16,c=bf16,o=f32",
+                               rules=[("blocks/1", "c=f32")])
+  stored = _snapshot(model)
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  h = jnp.ones((8, 4))
+  model(x)                                      # Eager.
+  model.encoder(x)                              # A submodule, directly.
+  model.blocks[1](h)
+  nnx.jit(lambda m, x: m(x))(model, x)          # Under nnx.jit.
+  nnx.jit(lambda m, h: m.decoder(h))(model, h)
+  evaluating = nnx.view(model, use_running_average=True)
+  jax.jit(lambda x: evaluating(x))(x)           # Closed over by jax.jit.
+  grads = nnx.grad(lambda m: m(x).sum())(model)  # Gradients.
+  jnnx.dtype_report(model, x)
+  nnx.tabulate(model, x, console_kwargs={"no_color": True})
+  _assert_unchanged(user, before)
+  _assert_own_classes(user)
+  _assert_own_classes(model)
+  for path, (cls, names, _) in stored.items():  # The wrapper's own modules.
+    now = _snapshot(model)[path]
+    assert now[0] is cls and now[1] == names, path
+  assert _module_classes() == classes   # No class was made.
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  for g, p in zip(jax.tree.leaves(nnx.state(grads, nnx.Param)), params,
+                  strict=True):
+    assert_dtype(g, p.dtype)   # Gradients in the stored param dtypes.
+  assert {p.dtype for p in params} == {np.dtype(jnp.bfloat16),
+                                       np.dtype(jnp.float32)}
+
+
+def test_stateful_models_keep_their_modules_after_training_steps():
+  """The user's model is left as built after a jitted, donated training
+  loop on the wrapper (batch statistics and RNG counts move there only)."""
+  user = StatefulBlock(4, 4, rngs=nnx.Rngs(0))
+  before = _snapshot(user)
+  model = jnnx.mixed_precision(user, "p=f32,c=bf16,o=f32")
+  opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+
+  @nnx.jit
+  def step(model, opt):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+
+  for _ in range(2):
+    step(model, opt)
+  _assert_unchanged(user, before)
+  assert int(model.drop.rngs.count[...]) == 2   # The wrapper's stream moved.
+  _assert_own_classes(model)
+
+
+def test_pickles_name_only_the_models_own_classes():
+  """No pickle shim: a pickled wrapper names the model's classes, Flax's
+  and jmp_lite's public ones, and restores the same classes."""
+  import pickle
+  import pickletools
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=bf16,c=bf16,o=f32")
+  h = jnp.ones((2, 4))
+  data = pickle.dumps(model)
+  strings = [arg for _, arg, _ in pickletools.genops(data)
+             if isinstance(arg, str)]
+  assert not [s for s in strings if "UnderPolicy" in s or "_guarded" in s]
+  restored = pickle.loads(data)
+  assert type(restored) is jnnx.MixedPrecision
+  assert restored.wrapped_class is Autoencoder
+  _assert_own_classes(restored)
+  assert type(vars(restored)["encoder"]) is Encoder
+  chex.assert_trees_all_equal(restored.decoder(h), model.decoder(h))
+  chex.assert_trees_all_equal(restored(jnp.ones((2, 3))),
+                              model(jnp.ones((2, 3))))
+
+
+def test_direct_calls_follow_model_surgery():
+  """A submodule put into the wrapper after wrapping runs under the policy
+  of its place (it ran bare, or under its old place's policy, before)."""
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32",
+                               rules=[("blocks/1", "c=f16")])
+  h = jnp.ones((2, 4))
+  model.decoder = nnx.Linear(4, 3, rngs=nnx.Rngs(2))
+  model.blocks[1] = nnx.Linear(4, 4, rngs=nnx.Rngs(3))
+  bf16, f16 = (np.dtype(jnp.bfloat16),) * 2, (np.dtype(jnp.float16),) * 2
+  assert _traced_dtypes(lambda m, h: m.decoder(h), model, h) == {bf16}
+  assert _traced_dtypes(lambda m, h: m.blocks[1](h), model, h) == {f16}
+  assert type(vars(model)["decoder"]) is nnx.Linear
+  assert_dtype(model.decoder(h), jnp.float32)
+
+
+def test_views_index_iterate_and_forward_like_the_stored_modules():
+  model = jnnx.mixed_precision(Autoencoder(nnx.Rngs(0)), "p=f32,c=bf16,o=f32")
+  h = jnp.ones((2, 4))
+  blocks = model.blocks
+  assert len(blocks) == 2 and bool(blocks)
+  bf16 = (np.dtype(jnp.bfloat16),) * 2
+  for i, block in enumerate(blocks):   # Iterating gives callable views.
+    assert_dtype(block(h), jnp.float32)
+    assert block.kernel is vars(model)["blocks"][i].kernel
+  assert _traced_dtypes(lambda m, h: m.blocks[-1](h), model, h) == {bf16}
+  assert [b.in_features for b in model.blocks[:1]] == [4]
+  model.encoder.lin.marker = "set"     # Attributes land on the stored module.
+  assert vars(model)["encoder"].lin.marker == "set"
+  assert "Linear at 'blocks/0'" in repr(model.blocks[0])
+  import pickle
+  block = pickle.loads(pickle.dumps(model.blocks[1]))   # With its wrapper.
+  chex.assert_trees_all_equal(block(h), model.blocks[1](h))
+  # A wrapper inside another keeps its own calls: no view around it.
+  outer = jnnx.mixed_precision(
+      nnx.Sequential(jnnx.mixed_precision(nnx.Linear(4, 4, rngs=nnx.Rngs(0)),
+                                          "f16")), "bf16")
+  assert type(outer.layers[0]) is jnnx.MixedPrecision
+  assert_dtype(outer.layers[0](h), jnp.float16)
+
+
+class Branching(nnx.Module):
+  """Model code that branches on its layers' classes."""
+
+  def __init__(self, rngs):
+    self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs),
+                            nnx.Dropout(0.5, rngs=rngs)])
+
+  def __call__(self, x):
+    for layer in self.layers:
+      if isinstance(layer, nnx.Dropout):
+        x = layer(x, deterministic=True)
+      else:
+        x = layer(x)
+    return x
+
+
+def test_model_code_sees_its_layers_classes():
+  """isinstance(layer, nnx.Dropout) in the model's code holds under the
+  policy as without it (dropout ran in training mode otherwise)."""
+  bare = Branching(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, 4))
+  model = jnnx.mixed_precision(bare, "f32")
+  chex.assert_trees_all_equal(model(x), bare(x))
+  half = jnnx.mixed_precision(bare, "p=f32,c=bf16,o=f32")
+  chex.assert_trees_all_close(half(x), bare(x), atol=5e-2)
