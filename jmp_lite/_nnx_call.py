@@ -27,6 +27,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jmp_lite import _flax_nnx_compat as _compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
@@ -170,7 +171,8 @@ class Boundary(nnx.Module):
     return Boundary if module is None else type(module)
 
   # The model's code branches on isinstance(self.block, Block) as without
-  # the policy. type(...) stays Boundary, which is what nnx dispatches on.
+  # the policy. type(...) stays Boundary, which is what nnx dispatches on
+  # (jmp_lite._flax_nnx_compat).
   __class__ = property(_module_class)  # type: ignore[assignment]
 
   def _run(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -262,9 +264,9 @@ def relink(root: Any, swap: Callable[[Any], Any]) -> None:
         if (new := fix(node[key])) is not node[key]:
           node[key] = new
     else:
-      for key, value in list(vars(node).items()):
+      for key, value in _compat.attributes(node):
         if (new := fix(value)) is not value:
-          object.__setattr__(node, key, new)
+          _compat.set_child(node, key, new)
 
   visit(root)
 
@@ -322,16 +324,10 @@ def is_flax_layer(module: Any) -> bool:
 
 def model_of(wrapper: Any) -> Any:
   """An instance of the model's class holding ``wrapper``'s attributes (the
-  same objects, not copies).
-
-  Built as unpickling builds an nnx object (``__new__``, ``__setstate__``):
-  the class's ``__init__`` does not run.
-  """
+  same objects, not copies); the class's ``__init__`` does not run."""
   state = dict(vars(wrapper))
   config: Config = state.pop(CONFIG)
-  model = object.__new__(config.cls)
-  model.__setstate__(state)
-  return model
+  return _compat.instance_with(config.cls, state)
 
 
 def run(wrapper: Any, at: Sequence[Key], method: str, args: tuple,
@@ -381,7 +377,7 @@ def run(wrapper: Any, at: Sequence[Key], method: str, args: tuple,
     if isinstance(module, CONTAINERS):
       continue
     if is_flax_layer(module):
-      object.__setattr__(module, "dtype", resolved[path].policy.compute_dtype)
+      _compat.set_child(module, "dtype", resolved[path].policy.compute_dtype)
     remat = config.remat_norms and config.rule_set.is_island(
         resolved[path].rule)
     slots[id(module)] = slot = Slot(path, resolved[path], recorder, remat)

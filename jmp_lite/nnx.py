@@ -49,6 +49,7 @@ from typing import Any, cast
 import jax
 from flax import nnx
 
+from jmp_lite import _flax_nnx_compat as _compat
 from jmp_lite import _jaxpr
 from jmp_lite import _nnx_call as _call
 from jmp_lite import dtypes as _dtypes
@@ -309,9 +310,8 @@ def mixed_precision(
   if not isinstance(remat_norms, bool):
     raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
   config = _call.Config(type(model), rule_set, remat_norms)
-  wrapped = object.__new__(MixedPrecision)
-  wrapped.__setstate__(dict(vars(model)))
-  object.__setattr__(wrapped, _CONFIG, config)
+  wrapped = _compat.instance_with(MixedPrecision, vars(model))
+  _compat.set_child(wrapped, _CONFIG, config)   # Static: in the graphdef.
   return wrapped
 
 
