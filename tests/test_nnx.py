@@ -839,3 +839,38 @@ def test_model_code_sees_its_layers_classes():
   chex.assert_trees_all_equal(model(x), bare(x))
   half = jnnx.mixed_precision(bare, "p=f32,c=bf16,o=f32")
   chex.assert_trees_all_close(half(x), bare(x), atol=5e-2)
+
+
+class ScannedStack(nnx.Module):
+  """Layers made with nnx.vmap and run with nnx.scan (Flax's recipe)."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return nnx.Linear(4, 4, rngs=rngs)
+
+    self.blocks = make(rngs)
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, x):
+      return x + block(self.norm(x))
+
+    return body(self.blocks, x)
+
+
+def test_layers_scanned_inside_the_model_run_under_the_policy():
+  """nnx.scan over stacked layers splits and merges the call's copy: each
+  step's layer still computes in the compute dtype."""
+  bare = ScannedStack(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  model = jnnx.mixed_precision(bare, "p=f32,c=bf16,o=f32")
+  assert_dtype(model(x), jnp.float32)
+  chex.assert_trees_all_close(model(x), bare(x), atol=5e-2)
+  bf16 = (np.dtype(jnp.bfloat16),) * 2
+  assert _dot_conv_dtypes(lambda x: model(x), x) == {bf16}
+  rows = {r.path: r for r in jnnx.dtype_report(model, x).rows}
+  assert rows["blocks"].computed == "bfloat16"
+  assert rows["norm"].computed == "-" and rows["norm"].read == "float32"
