@@ -52,6 +52,9 @@ def test_no_hardware_note_for_float32_only(capsys):
   assert "note:" not in capsys.readouterr().out
 
 
+# Seven trainings (15 s); test_demo_trains_all_three_precisions covers the
+# default runs in the default set.
+@pytest.mark.slow
 def test_demo_all_runs_with_progress_bar(capsys):
   rows = demo.main(["--steps", "40", "--width", "16", "--batch", "8",
                     "--runs", *demo.RUNS])
@@ -84,6 +87,7 @@ def test_python_dash_m_help():
   assert "float16" in out.stdout and "--steps" in out.stdout
 
 
+@pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_loss_scaling_benchmark_runs_small():
   pytest.importorskip("flax")
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
@@ -101,6 +105,7 @@ def test_loss_scaling_benchmark_runs_small():
   assert "update_and_apply on cpu: cond" in out.stdout
 
 
+@pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_gpu_step_benchmark_runs_small_on_cpu():
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   out = subprocess.run(
@@ -121,6 +126,7 @@ def test_gpu_step_benchmark_runs_small_on_cpu():
   assert "skip_with='auto' compiles to 'cond' here" in out.stdout
 
 
+@pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_policy_overhead_benchmark_runs_small():
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   out = subprocess.run(
@@ -135,6 +141,7 @@ def test_policy_overhead_benchmark_runs_small():
   assert "| jmp_lite policy, cache_traces=False |" in out.stdout
 
 
+@pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_autocast_benchmark_runs_small():
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   out = subprocess.run(

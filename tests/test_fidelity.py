@@ -36,6 +36,9 @@ from tests.conftest import FIDELITY_SETTINGS
 
 pytest.importorskip("sklearn")
 
+# Hundreds of training steps per run: CI's slow set (docs/development.md).
+pytestmark = pytest.mark.slow
+
 MIXED = {
     "bf16": ("p=f32,c=bf16,o=f32", None, False),
     "f16-dynamic": ("p=f32,c=f16,o=f32", None, False),

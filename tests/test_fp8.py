@@ -70,7 +70,7 @@ def test_recipe_defaults_are_transformer_engine_s():
   assert hash(cur) == hash(fp8.CurrentScaling("float8_e4m3fn"))
   assert pickle.loads(pickle.dumps(delayed)) == delayed
   with pytest.raises(Exception, match="cannot assign"):
-    cur.margin = 1
+    cur.margin = 1  # pyright: ignore[reportAttributeAccessIssue]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -407,7 +407,7 @@ def test_bad_arguments_raise_clear_errors():
     dot(x, w, MATMUL, foo=1)
   with pytest.raises(TypeError, match="Expected a jmp_lite.fp8.CurrentScaling"
                      " or DelayedScaling recipe, got str"):
-    fp8.dot_general("e4m3")
+    fp8.dot_general("e4m3")  # pyright: ignore[reportArgumentType]
   with pytest.raises(TypeError,
                      match="DelayedScaling needs the matmul's state"):
     fp8.dot_general(fp8.DelayedScaling())
@@ -432,6 +432,7 @@ def test_vmap_and_remat_compose():
   np.testing.assert_allclose(c, d, rtol=1e-6)
 
 
+@pytest.mark.slow   # a benchmark script in a subprocess, as in test_demo.py
 def test_gpu_fp8_benchmark_runs_small_on_cpu():
   import os
   import pathlib
@@ -587,7 +588,10 @@ def digits_task(recipe, *, steps, lr, batch=128, width=128, seed=0):
 
   def xent(variables, x, y):
     import optax
-    logits = model.apply(variables, x).astype(jnp.float32)
+    # apply without mutable= returns the output alone (pyright sees the
+    # union with the (output, state) pair).
+    logits = model.apply(variables, x)
+    logits = logits.astype(jnp.float32)  # pyright: ignore[reportAttributeAccessIssue]
     return optax.softmax_cross_entropy_with_integer_labels(logits, y), logits
 
   @jax.jit
@@ -666,7 +670,8 @@ def char_lm_task(recipe, *, steps, lr, seq=32, batch=32, dim=64, seed=0):
   test_batch = jnp.asarray(windows(test_ids, range(0, len(test_ids) - seq - 1)))
 
   def xent(variables, b):
-    logits = model.apply(variables, b[:, :-1]).astype(jnp.float32)
+    logits = model.apply(variables, b[:, :-1])  # the output alone
+    logits = logits.astype(jnp.float32)  # pyright: ignore[reportAttributeAccessIssue]
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, b[:, 1:]), logits
 
@@ -701,6 +706,7 @@ def fidelity_task(request, optimized_codegen):
   return request.param, task, task(None)
 
 
+@pytest.mark.slow   # 300-step trainings, as tests/test_fidelity.py
 @pytest.mark.parametrize("recipe", list(FIDELITY_RECIPES))
 def test_fp8_training_matches_bfloat16(fidelity_task, recipe):
   name, task, (ref_loss, ref_acc) = fidelity_task

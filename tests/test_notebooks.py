@@ -19,6 +19,7 @@ def test_there_are_five_notebooks():
       "05_pure_bf16"]
 
 
+@pytest.mark.slow   # a kernel per notebook, 7-35 s each
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_and_shows_outputs(path):
   assert path.stat().st_size < 100_000, "keep notebooks small"

@@ -2,12 +2,15 @@
 
 Every ```python block of README.md runs, in order, in one namespace; so does
 every block of each docs/*.md page (one namespace per page, starting from the
-README's imports). CI's test command is the README's, and the minimum
-versions CI pins are the lower bounds pyproject.toml declares.
+imports on docs/install.md). This is the one place the docs' examples run.
+The README stays a short entry point whose links resolve. CI's test command
+is the README's, CI runs the slow tests the default command leaves out, and
+the minimum versions CI pins are the lower bounds pyproject.toml declares.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 import tomllib
@@ -58,44 +61,109 @@ def _only_precision_warnings(caught: list) -> None:
 
 def test_readme_python_snippets_run():
   blocks = _python_blocks(README)
-  assert len(blocks) >= 5
+  assert len(blocks) >= 2
   namespace: dict = {}
-  caught = _run_blocks(README, blocks, namespace)
-  # The diagnostics snippet demonstrates check_hardware's warning on CPU
-  # (on a GPU with bfloat16 tensor cores there is nothing to warn about).
-  import jax
-
+  _only_precision_warnings(_run_blocks(README, blocks, namespace))
+  # The train step trained the float16 CNN with a dynamic loss scale: five
+  # applied steps, a finite loss, the head kept in float32.
   import jmp_lite
-  warned = any(issubclass(w.category, jmp_lite.PrecisionWarning)
-               for w in caught)
-  assert warned == bool(jmp_lite.check_hardware("bf16", warn=False))
-  if jax.default_backend() == "cpu":
-    assert warned
-  _only_precision_warnings(caught)
-  # The snippets left a bfloat16 model trained with master weights and a
-  # Flax model under the O2 preset.
-  assert namespace["half_params"]["w"].dtype == namespace["jnp"].bfloat16
-  assert namespace["o2"].name == "O2"
+  state = jmp_lite.loss_scaled_state(namespace["opt_state"])
+  assert isinstance(state.loss_scale, jmp_lite.DynamicLossScale)
+  assert int(state.total_skips) == 0
+  assert bool(namespace["jnp"].isfinite(namespace["loss"]))
+  assert namespace["computed"]["head"] == "float32"
   text = "".join(blocks)
-  for name in ("loss_scaled", "master_weights", "accumulate_gradients",
-               "mixed_precision", "dtype_report", "preset("):
+  for name in ("loss_scaled(", "scaled_value_and_grad(", "update_and_apply(",
+               "mixed_precision(", "dtype_report(", "donate_argnums"):
     assert name in text
 
 
-def test_docs_has_guide_pages():
+def _slug(heading: str) -> str:
+  # The anchors MyST makes (myst_heading_anchors in docs/conf.py) and
+  # GitHub shows: lower case, punctuation dropped, spaces to hyphens.
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+  # Headings outside fenced blocks (a "# comment" in code is none).
+  text = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", page.read_text(),
+                flags=re.S | re.M)
+  return {_slug(m) for m in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_readme_is_one_short_entry_point_whose_links_resolve():
+  text = README.read_text()
+  assert len(text.splitlines()) <= 150
+  # The two set-up commands, as CI runs them.
+  assert "pip install . && python -m jmp_lite" in text
+  assert 'pip install -e ".[test]" && python -m pytest -q' in text
+  links = re.findall(r"\]\(([^)#\s]+\.md)(?:#([^)\s]+))?\)", text)
+  assert {"docs/quickstart.md", "docs/install.md"} <= {p for p, _ in links}
+  for path, anchor in links:
+    target = ROOT / path
+    assert target.is_file(), path
+    if anchor:
+      assert anchor in _anchors(target), f"{path}#{anchor}"
+
+
+def test_readme_says_which_extras_its_imports_need():
+  text = README.read_text()
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+      "project"]["optional-dependencies"]
+  for module, extra in (("haiku", "haiku"), ("equinox", "equinox")):
+    if re.search(rf"^import {module}\b", text, re.M):
+      assert extra in extras, extra
+      # The install command names the extra ("[equinox,haiku]", say).
+      assert re.search(rf'pip install [^`]*\[[a-z,]*\b{extra}\b', text), extra
+
+
+def test_docs_has_guide_pages_and_opens_on_the_quickstart():
   names = {p.stem for p in DOCS}
-  assert {"index", "install", "policies", "loss_scaling", "optax", "flax",
-          "autocast", "diagnostics", "migration", "benchmarks",
-          "notebooks"} <= names, sorted(names)
+  assert {"index", "quickstart", "install", "policies", "loss_scaling",
+          "optax", "flax", "autocast", "diagnostics", "migration",
+          "benchmarks", "notebooks"} <= names, sorted(names)
+  # docs/conf.py fills the index's table of contents from GUIDE, in order.
+  conf = ast.parse((ROOT / "docs" / "conf.py").read_text())
+  (guide,) = [ast.literal_eval(node.value) for node in conf.body
+              if isinstance(node, ast.Assign)
+              and any(getattr(t, "id", None) == "GUIDE" for t in node.targets)]
+  assert guide[0] == "quickstart", guide
+  index = (ROOT / "docs" / "index.md").read_text()
+  assert index.index("(quickstart.md)") < index.index("```{toctree}")
+
+
+def _train_step_page(namespace: dict) -> None:
+  import jmp_lite
+  state = jmp_lite.loss_scaled_state(namespace["opt_state"])
+  assert int(state.total_skips) == 1
+
+
+def _quickstart_page(namespace: dict) -> None:
+  losses = namespace["losses"]
+  assert len(losses) == 20 and losses[-1] < 0.5 * losses[0], losses
+
+
+# What some pages' examples must leave behind, beyond running: (the fewest
+# python blocks the page has, a check of the namespace they leave).
+PAGE_CHECKS = {
+    "train_step": (6, _train_step_page),
+    "low_precision": (3, None),
+    "quickstart": (5, _quickstart_page),
+}
 
 
 @pytest.mark.parametrize(
     "page", [p for p in DOCS if _python_blocks(p)], ids=lambda p: p.stem)
 def test_docs_python_snippets_run(page):
   blocks = _python_blocks(page)
+  least, check = PAGE_CHECKS.get(page.stem, (1, None))
+  assert len(blocks) >= least
   namespace: dict = {}
   exec(compile(IMPORTS, "imports", "exec"), namespace)
   _only_precision_warnings(_run_blocks(page, blocks, namespace))
+  if check is not None:
+    check(namespace)
 
 
 def test_python_block_extraction():
@@ -115,6 +183,19 @@ def test_readme_test_command_is_the_ci_command():
   command = 'pip install -e ".[test]" && python -m pytest -q'
   assert command in README.read_text()
   assert command in ci
+
+
+def test_default_run_leaves_out_slow_tests_and_ci_runs_them():
+  pytest_config = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+      "tool"]["pytest"]["ini_options"]
+  assert "-m 'not slow'" in pytest_config["addopts"]
+  assert "--strict-markers" in pytest_config["addopts"]
+  assert any(m.startswith("slow:") for m in pytest_config["markers"])
+  # CI's slow part runs exactly the tests the README's command leaves out.
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert "python -m pytest -q -m slow" in ci
+  (default_parts,) = re.findall(r"then PARTS=\(([^)]*)\); fi", ci)
+  assert "slow" in default_parts.split(), default_parts
 
 
 def _declared_requirements() -> list[Requirement]:

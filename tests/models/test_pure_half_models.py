@@ -21,6 +21,9 @@ from tests.models import harness
 from tests.models.harness import O3_SETTINGS
 from tests.models.test_real_models import _float32_losses, CASES
 
+# The model zoo: each case trains a real model (5-60 s); CI's slow set.
+pytestmark = pytest.mark.slow
+
 PAIRS = ([(name, "O3") for name in CASES]
          + [(name, "O3-sr") for name in ("linen_tagger", "nnx_cnn",
                                          "eqx_mlp")]

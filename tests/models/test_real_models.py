@@ -23,6 +23,9 @@ from tests.conftest import full_codegen
 from tests.models import harness
 from tests.models.harness import Case, cross_entropy, island_paths, SETTINGS
 
+# The model zoo: each case trains a real model (5-60 s); CI's slow set.
+pytestmark = pytest.mark.slow
+
 SETTING_NAMES = list(SETTINGS)
 
 
