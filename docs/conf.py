@@ -112,6 +112,7 @@ nitpick_ignore_regex = [
 # does not exist yet is skipped; a page that exists but is not listed here is
 # appended at the end, so no page is ever left out of the navigation.
 GUIDE = [
+    "quickstart",
     "install",
     "policies",
     "loss_scaling",
