@@ -29,7 +29,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._autocast.options import FLOAT32_SCOPE
+from jmp_lite.autocasting._options import FLOAT32_SCOPE
 from jmp_lite.diagnostics import tree_bytes
 
 __all__ = ["DtypeReport", "ReportRow"]

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _flax_linen_compat as compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite.linen import _flax_compat as compat
 from jmp_lite.policy import Policy
 
 Path = tuple[str, ...]
@@ -53,7 +53,7 @@ def jmp_lite_policy(wrapper: Any, call: PolicyCall, *args: Any,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> from jmp_lite._linen_intercept import PolicyCall
+    >>> from jmp_lite.linen._intercept import PolicyCall
     >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> nn.Module.apply(model, v, jnp.ones((1, 3)),
@@ -80,7 +80,7 @@ class PolicyCall:
     recorder: set when tracing for a :func:`jmp_lite.linen.dtype_report`.
 
   Example:
-    >>> from jmp_lite._linen_intercept import PolicyCall
+    >>> from jmp_lite.linen._intercept import PolicyCall
     >>> PolicyCall("encode") == PolicyCall("encode")
     True
   """
@@ -104,7 +104,7 @@ def is_flax_layer(module: nn.Module) -> bool:
 
   Example:
     >>> import flax.linen as nn
-    >>> from jmp_lite._linen_intercept import is_flax_layer
+    >>> from jmp_lite.linen._intercept import is_flax_layer
     >>> is_flax_layer(nn.Dense(2)), is_flax_layer(nn.Dropout(0.1))
     (True, False)
   """
@@ -142,7 +142,7 @@ class Call:
 
   Example:
     >>> import flax.linen as nn, jmp_lite.rules
-    >>> from jmp_lite._linen_intercept import Call
+    >>> from jmp_lite.linen._intercept import Call
     >>> rs = jmp_lite.rules.rule_set("c=bf16", [], (nn.Module,), "linen",
     ...                              norm_layers=(nn.LayerNorm,))
     >>> call = Call(rs, root=("model",), classes={}, initializing=False)
@@ -207,7 +207,7 @@ def creation_dtype(policy: Policy) -> np.dtype:
 
   Example:
     >>> import jmp_lite
-    >>> from jmp_lite._linen_intercept import creation_dtype
+    >>> from jmp_lite.linen._intercept import creation_dtype
     >>> creation_dtype(jmp_lite.get_policy("bf16"))
     dtype('float32')
   """
@@ -229,7 +229,7 @@ def interceptor(call: Call) -> Callable[..., Any]:
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.rules
-    >>> from jmp_lite._linen_intercept import Call, interceptor
+    >>> from jmp_lite.linen._intercept import Call, interceptor
     >>> rs = jmp_lite.rules.rule_set("c=bf16", [], (nn.Module,), "linen")
     >>> layer = nn.Dense(2, dtype=jnp.float32)
     >>> v = layer.init(jax.random.key(0), jnp.ones((1, 3)))
@@ -353,7 +353,7 @@ def cast_params(params: Any, call: Call, which: str) -> Any:
 
   Example:
     >>> import jax.numpy as jnp, flax.linen as nn, jmp_lite.rules
-    >>> from jmp_lite._linen_intercept import Call, cast_params
+    >>> from jmp_lite.linen._intercept import Call, cast_params
     >>> rs = jmp_lite.rules.rule_set("c=bf16", [], (nn.Module,), "linen")
     >>> call = Call(rs, (), {(): nn.Dense}, False)
     >>> cast_params({"kernel": jnp.ones(2)}, call, "compute")["kernel"].dtype
@@ -386,7 +386,7 @@ def restore_dtypes(new: Any, old: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._linen_intercept import restore_dtypes
+    >>> from jmp_lite.linen._intercept import restore_dtypes
     >>> new = {"mean": jnp.ones(2, jnp.bfloat16)}
     >>> restore_dtypes(new, {"mean": jnp.zeros(2)})["mean"].dtype
     dtype('float32')

@@ -74,7 +74,7 @@ def audit_record(primitive: str, category: str, flops: float,
 
   Example:
     >>> import numpy as np
-    >>> from jmp_lite._autocast.audit import audit_record
+    >>> from jmp_lite.autocasting._audit import audit_record
     >>> audit_record("exp", "float32", 0.0, [np.dtype("float32")],
     ...              [np.dtype("float32")]).dtype
     'float32'
@@ -103,7 +103,7 @@ def repeated(records: Sequence[AuditRecord], loop: str,
     trip count is a run-time value), the records marked ``in_while_loop``.
 
   Example:
-    >>> from jmp_lite._autocast.audit import AuditRecord, repeated
+    >>> from jmp_lite.autocasting._audit import AuditRecord, repeated
     >>> r = AuditRecord("dot_general", "lower", "bfloat16", (), (), 8.0)
     >>> repeated([r], "scan", 3)[0].flops
     24.0

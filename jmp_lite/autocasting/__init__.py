@@ -41,9 +41,20 @@ called from the caller's trace as one nested ``jit`` named ``autocast``
 replaces. Its derivative is the forward-mode derivative of the rewritten
 equations, so ``jax.grad`` sees the same re-typed computation.
 
-This module is autocast's public face; its parts (options, the rules, the
-FP8 swap, the audit, nnx arguments) live in ``jmp_lite._autocast``, and the
-jaxpr machinery they use in ``jmp_lite._jaxpr``.
+This package's ``__init__`` is autocast's public face; its parts, one
+concept per module, are private to it, and the jaxpr machinery they use lives
+in ``jmp_lite._jaxpr``:
+
+* ``_options`` — the primitive lists, region scope names, and the checked
+  options (``Config``);
+* ``_retyper`` — the autocast rules, plugged into
+  ``jmp_lite._jaxpr.Rewriter``;
+* ``_fp8`` — the FP8 swap: a matmul as one ``jmp_lite.fp8.dot_general``
+  call, and the delayed-scaling state's arrays;
+* ``_audit`` — ``Audit`` and its records;
+* ``_writeback`` — Flax nnx arguments: run as a pure function, changed
+  variables written back;
+* ``_run`` — one autocast call: trace, rewrite, call.
 """
 
 from __future__ import annotations
@@ -54,10 +65,10 @@ from typing import Any
 
 import jax
 
-from jmp_lite._autocast import options as _options
-from jmp_lite._autocast.audit import Audit, AuditRecord
-from jmp_lite._autocast.options import check_options, make_config
-from jmp_lite._autocast.run import run
+from jmp_lite.autocasting import _options
+from jmp_lite.autocasting._audit import Audit, AuditRecord
+from jmp_lite.autocasting._options import check_options, make_config
+from jmp_lite.autocasting._run import run
 
 __all__ = ["Audit", "AuditRecord", "FLOAT32_PRIMITIVES", "LOWER_PRECISION",
            "autocast", "autocast_audit", "autocast_fp8_state",

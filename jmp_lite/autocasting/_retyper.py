@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from jmp_lite import _jaxpr
-from jmp_lite._autocast import audit as _audit
-from jmp_lite._autocast.fp8 import fp8_call
-from jmp_lite._autocast.options import (
+from jmp_lite.autocasting import _audit
+from jmp_lite.autocasting._fp8 import fp8_call
+from jmp_lite.autocasting._options import (
   AUTOCAST_SCOPE,
   Config,
   FLOAT32_SCOPE,
@@ -51,8 +51,8 @@ class AutocastRetyper(_jaxpr.Rewriter):
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jmp_lite import _jaxpr
-    >>> from jmp_lite._autocast.options import make_config
-    >>> from jmp_lite._autocast.retyper import AutocastRetyper
+    >>> from jmp_lite.autocasting._options import make_config
+    >>> from jmp_lite.autocasting._retyper import AutocastRetyper
     >>> body, _ = _jaxpr.jaxpr_and_consts(
     ...     jax.make_jaxpr(lambda a: a @ a)(jnp.ones((2, 2))))
     >>> records = []

@@ -17,8 +17,8 @@ from typing import Any, TYPE_CHECKING
 import flax.linen as nn
 import jax
 
-from jmp_lite import _flax_linen_compat as compat
 from jmp_lite import _jaxpr
+from jmp_lite.linen import _flax_compat as compat
 
 if TYPE_CHECKING:
   from jmp_lite.linen import MixedPrecision
@@ -47,8 +47,8 @@ def apply_arrays(spec: tuple, dynamic: list[Any]) -> Any:
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> from jmp_lite._linen_cache import apply_arrays
-    >>> from jmp_lite._linen_intercept import PolicyCall
+    >>> from jmp_lite.linen._cache import apply_arrays
+    >>> from jmp_lite.linen._intercept import PolicyCall
     >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> leaves, tree = jax.tree.flatten((v, (jnp.ones((1, 3)),), {}))
@@ -83,7 +83,7 @@ class Memo:
       transpose.
 
   Example:
-    >>> from jmp_lite._linen_cache import Memo
+    >>> from jmp_lite.linen._cache import Memo
     >>> memo = Memo()
     >>> memo.classes, memo.uncacheable
     ({}, set())
@@ -117,7 +117,7 @@ def aval_key(tree: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._linen_cache import aval_key
+    >>> from jmp_lite.linen._cache import aval_key
     >>> aval_key({"x": jnp.ones((2, 3))})[1]
     (((2, 3), 'float32'),)
   """
@@ -149,7 +149,7 @@ def lookup(memo: Memo, method: Any, key: Any) -> tuple[Any, Any]:
     argument).
 
   Example:
-    >>> from jmp_lite._linen_cache import Memo, lookup
+    >>> from jmp_lite.linen._cache import Memo, lookup
     >>> memo = Memo()
     >>> lookup(memo, "encode", ("v", "x"))[1]
     ('encode', 'v', 'x')
@@ -186,7 +186,7 @@ def traced_apply(model: MixedPrecision, variables: Any, args: tuple,
     variables: its variables.
     args: the inputs.
     run: the policy's ``method=`` for Flax's ``apply``, a
-      :class:`~jmp_lite._linen_intercept.PolicyCall` (hashable: it names the
+      :class:`~jmp_lite.linen._intercept.PolicyCall` (hashable: it names the
       wrapped model's method).
     kwargs: more inputs and ``apply``'s options.
 
@@ -200,8 +200,8 @@ def traced_apply(model: MixedPrecision, variables: Any, args: tuple,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> from jmp_lite._linen_cache import UNCACHED, traced_apply
-    >>> from jmp_lite._linen_intercept import PolicyCall
+    >>> from jmp_lite.linen._cache import UNCACHED, traced_apply
+    >>> from jmp_lite.linen._intercept import PolicyCall
     >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> run = PolicyCall(None)

@@ -34,7 +34,7 @@ def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
 
   Example:
     >>> import numpy as np, jmp_lite
-    >>> from jmp_lite._autocast.fp8 import fp8_call
+    >>> from jmp_lite.autocasting._fp8 import fp8_call
     >>> eqn = fp8_call(jmp_lite.fp8.CurrentScaling(), (2, 4), (4, 3),
     ...                np.dtype("float32"), (((1,), (0,)), ((), ())), False)
     >>> aval = eqn.outvars[0].aval
@@ -76,7 +76,7 @@ def fp8_state_leaves(fp8_state: Any) -> list[Any]:
 
   Example:
     >>> import jmp_lite
-    >>> from jmp_lite._autocast.fp8 import fp8_state_leaves
+    >>> from jmp_lite.autocasting._fp8 import fp8_state_leaves
     >>> state = jmp_lite.fp8.DelayedScaling(history=4).init()
     >>> [a.shape for a in fp8_state_leaves((state,))]
     [(3, 4), (3,)]

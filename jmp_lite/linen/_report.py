@@ -2,7 +2,7 @@
 
 The policy's call runs once under :func:`jax.make_jaxpr` with a
 :class:`~jmp_lite.report.Recorder` in its
-:class:`~jmp_lite._linen_intercept.PolicyCall`; the report reads the jaxpr.
+:class:`~jmp_lite.linen._intercept.PolicyCall`; the report reads the jaxpr.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 
 from jmp_lite import _jaxpr
 from jmp_lite import report as _report
-from jmp_lite._linen_intercept import PolicyCall
 from jmp_lite.diagnostics import tree_bytes
+from jmp_lite.linen._intercept import PolicyCall
 
 Path = tuple[str, ...]
 
@@ -31,7 +31,7 @@ def own_params(tree: Any) -> dict[Path, Any]:
     Module path -> ``{name: param}`` of the params stored at that path.
 
   Example:
-    >>> from jmp_lite._linen_report import own_params
+    >>> from jmp_lite.linen._report import own_params
     >>> own_params({"Dense_0": {"kernel": 1, "bias": 2}, "scale": 3})
     {(): {'scale': 3}, ('Dense_0',): {'kernel': 1, 'bias': 2}}
   """
@@ -66,7 +66,7 @@ def trace_report(model: nn.Module, variables: Any, method: Any, args: tuple,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen
-    >>> from jmp_lite._linen_report import trace_report
+    >>> from jmp_lite.linen._report import trace_report
     >>> model = jmp_lite.linen.mixed_precision(nn.Dense(2), "c=bf16")
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> trace_report(model, v, None, (jnp.ones((1, 3)),), {}).rows[0].computed

@@ -43,7 +43,7 @@ class Config:
   """Autocast's checked options (made by :func:`make_config`).
 
   Example:
-    >>> from jmp_lite._autocast.options import make_config
+    >>> from jmp_lite.autocasting._options import make_config
     >>> cfg = make_config("bf16", deny=["dot_general"])
     >>> cfg.compute.name, "dot_general" in cfg.fp32, cfg.delayed
     ('bfloat16', True, False)
@@ -82,7 +82,7 @@ def check_names(names: Iterable[Any], what: str) -> set[str]:
 
   Example:
     >>> import jax
-    >>> from jmp_lite._autocast.options import check_names
+    >>> from jmp_lite.autocasting._options import check_names
     >>> sorted(check_names(["exp", jax.lax.log_p], "allow"))
     ['exp', 'log']
   """
@@ -148,7 +148,7 @@ def make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
     TypeError, ValueError: as :func:`jmp_lite.autocast` documents.
 
   Example:
-    >>> from jmp_lite._autocast.options import make_config
+    >>> from jmp_lite.autocasting._options import make_config
     >>> make_config("p=f32,c=f16,o=f32").compute.name
     'float16'
   """
@@ -205,7 +205,7 @@ def check_options(fn: Any, options: dict[str, Any]) -> None:
     TypeError: for a ``fn`` that is not callable, or unknown options.
 
   Example:
-    >>> from jmp_lite._autocast.options import check_options
+    >>> from jmp_lite.autocasting._options import check_options
     >>> check_options(abs, {"allow": ["exp"]})
   """
   if not callable(fn):

@@ -25,7 +25,7 @@ def nnx_module() -> Any:
   """``flax.nnx`` if it is loaded (any nnx object exists), else ``None``.
 
   Example:
-    >>> from jmp_lite._autocast.writeback import nnx_module
+    >>> from jmp_lite.autocasting._writeback import nnx_module
     >>> nnx_module() is None or hasattr(nnx_module(), "Module")
     True
   """
@@ -37,7 +37,7 @@ def holds_nnx(args: tuple, kwargs: dict) -> bool:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._autocast.writeback import holds_nnx
+    >>> from jmp_lite.autocasting._writeback import holds_nnx
     >>> holds_nnx((jnp.ones(2),), {})
     False
   """
@@ -66,7 +66,7 @@ def as_pure(fn: Callable[..., Any], args: tuple, kwargs: dict
   Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from jmp_lite._autocast.writeback import as_pure
+    >>> from jmp_lite.autocasting._writeback import as_pure
     >>> class Counter(nnx.Module):
     ...   def __init__(self):
     ...     self.n = nnx.BatchStat(jnp.zeros(()))

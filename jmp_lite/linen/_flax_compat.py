@@ -39,7 +39,7 @@ def wrap_method(fun: Callable[..., Any]) -> Callable[..., Any]:
 
   Example:
     >>> import flax.linen as nn
-    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> from jmp_lite.linen import _flax_compat as compat
     >>> def twice(module, x):
     ...   return 2 * x
     >>> wrapped = compat.wrap_method(twice)
@@ -61,7 +61,7 @@ def interceptors_active() -> bool:
 
   Example:
     >>> import flax.linen as nn
-    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> from jmp_lite.linen import _flax_compat as compat
     >>> spy = lambda next_fun, args, kwargs, context: next_fun(*args, **kwargs)
     >>> with nn.intercept_methods(spy):
     ...   inside = compat.interceptors_active()
@@ -96,7 +96,7 @@ def fields_overridden(module: nn.Module,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
-    >>> from jmp_lite import _flax_linen_compat as compat
+    >>> from jmp_lite.linen import _flax_compat as compat
     >>> def in_bf16(next_fun, args, kwargs, context):
     ...   with compat.fields_overridden(context.module,
     ...                                 {"dtype": jnp.bfloat16}):

@@ -28,7 +28,7 @@ def instance_with(cls: type, attrs: Mapping[str, Any]) -> Any:
 
   Example:
     >>> from flax import nnx
-    >>> from jmp_lite._flax_nnx_compat import instance_with
+    >>> from jmp_lite.nnx._flax_compat import instance_with
     >>> layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     >>> twin = instance_with(nnx.Linear, vars(layer))
     >>> type(twin).__name__, twin.kernel is layer.kernel
@@ -44,7 +44,7 @@ def attributes(node: Any) -> Iterator[tuple[str, Any]]:
 
   Example:
     >>> from flax import nnx
-    >>> from jmp_lite._flax_nnx_compat import attributes
+    >>> from jmp_lite.nnx._flax_compat import attributes
     >>> "kernel" in dict(attributes(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))
     True
   """
@@ -57,7 +57,7 @@ def set_child(node: Any, name: str, value: Any) -> None:
 
   Example:
     >>> from flax import nnx
-    >>> from jmp_lite._flax_nnx_compat import set_child
+    >>> from jmp_lite.nnx._flax_compat import set_child
     >>> seq = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     >>> set_child(seq, "layers", nnx.List([]))
     >>> len(seq.layers)

@@ -8,11 +8,11 @@ from typing import Any
 import jax
 
 from jmp_lite import _jaxpr
-from jmp_lite._autocast import writeback
-from jmp_lite._autocast.audit import AuditRecord
-from jmp_lite._autocast.fp8 import fp8_state_leaves
-from jmp_lite._autocast.options import AUTOCAST_SCOPE, Config
-from jmp_lite._autocast.retyper import AutocastRetyper
+from jmp_lite.autocasting import _writeback
+from jmp_lite.autocasting._audit import AuditRecord
+from jmp_lite.autocasting._fp8 import fp8_state_leaves
+from jmp_lite.autocasting._options import AUTOCAST_SCOPE, Config
+from jmp_lite.autocasting._retyper import AutocastRetyper
 
 
 def run(fn: Callable[..., Any], cfg: Config, args: tuple, kwargs: dict,
@@ -40,14 +40,14 @@ def run(fn: Callable[..., Any], cfg: Config, args: tuple, kwargs: dict,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._autocast.options import make_config
-    >>> from jmp_lite._autocast.run import run
+    >>> from jmp_lite.autocasting._options import make_config
+    >>> from jmp_lite.autocasting._run import run
     >>> run(lambda a: a @ a, make_config("bf16"), (jnp.ones((2, 2)),),
     ...     {}).dtype
     dtype('float32')
   """
-  if writeback.holds_nnx(args, kwargs):
-    pure, pure_args, finish = writeback.as_pure(fn, args, kwargs)
+  if _writeback.holds_nnx(args, kwargs):
+    pure, pure_args, finish = _writeback.as_pure(fn, args, kwargs)
     # The states' variables are pytrees here: their arrays are traced.
     result = _run_arrays(pure, cfg, pure_args, {}, records, fp8_state)
     return None if records is not None else finish(result)

@@ -27,11 +27,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_lite import _flax_nnx_compat as _compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._nnx_paths import child, same_leaves, set_at_path
+from jmp_lite.nnx import _flax_compat as _compat
 
 Path = tuple[str, ...]
 Key = str | int
@@ -86,7 +86,7 @@ def is_method(cls: type, name: str) -> bool:
 
   Example:
     >>> from flax import nnx
-    >>> from jmp_lite._nnx_call import is_method
+    >>> from jmp_lite.nnx._call import is_method
     >>> is_method(nnx.Embed, "attend"), is_method(nnx.Embed, "set_view")
     (True, False)
   """
@@ -146,7 +146,7 @@ class Boundary(nnx.Module):
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import jmp_lite, jmp_lite.rules
-    >>> from jmp_lite._nnx_call import Boundary, Slot
+    >>> from jmp_lite.nnx._call import Boundary, Slot
     >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     >>> resolved = jmp_lite.rules.Resolved(jmp_lite.get_policy("f16"),
     ...                                    jnp.float16, None)
@@ -172,7 +172,7 @@ class Boundary(nnx.Module):
 
   # The model's code branches on isinstance(self.block, Block) as without
   # the policy. type(...) stays Boundary, which is what nnx dispatches on
-  # (jmp_lite._flax_nnx_compat).
+  # (jmp_lite.nnx._flax_compat).
   __class__ = property(_module_class)  # type: ignore[assignment]
 
   def _run(self, name: str, args: tuple, kwargs: dict) -> Any:

@@ -32,13 +32,13 @@ normalisation layers are float32 islands.
 
 How: every module call goes through ``flax.linen.intercept_methods``, with an
 interceptor made for that one ``init``/``apply``
-(``jmp_lite._linen_intercept``); while a Flax layer runs, Flax's per-call
+(``jmp_lite.linen._intercept``); while a Flax layer runs, Flax's per-call
 bound copy of it (never a module you hold) has the policy's
 ``dtype``/``param_dtype`` (the one Flax internal this takes is in
-``jmp_lite._flax_linen_compat``). Params are cast by
+``jmp_lite.linen._flax_compat``). Params are cast by
 ``flax.linen.map_variables``, which needs each module path's class up front:
 the first call with new shapes traces the model abstractly once to learn
-them, and remembers them for later calls (``jmp_lite._linen_cache``).
+them, and remembers them for later calls (``jmp_lite.linen._cache``).
 """
 
 from __future__ import annotations
@@ -54,23 +54,23 @@ import jax
 
 from jmp_lite import _jaxpr
 from jmp_lite import rules as _rules
-from jmp_lite._linen_attention import dot_product_attention_fp32
-from jmp_lite._linen_cache import apply_arrays as _apply_arrays  # noqa: F401
-from jmp_lite._linen_cache import (
+from jmp_lite.linen._attention import dot_product_attention_fp32
+from jmp_lite.linen._cache import apply_arrays as _apply_arrays  # noqa: F401
+from jmp_lite.linen._cache import (
   aval_key,
   lookup,
   Memo,
   traced_apply,
   UNCACHED,
 )
-from jmp_lite._linen_intercept import (
+from jmp_lite.linen._intercept import (
   Call,
   cast_params,
   interceptor,
   PolicyCall,
   restore_dtypes,
 )
-from jmp_lite._linen_report import trace_report
+from jmp_lite.linen._report import trace_report
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport, ReportRow
 from jmp_lite.rules import FLOAT32, Rule
