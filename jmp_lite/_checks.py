@@ -1,4 +1,4 @@
-"""Argument checks the optimizer wrappers share.
+"""Argument checks the optimizer wrappers share (private).
 
 Bad configuration fails where it is given, naming the value, rather than at
 ``init`` or, worse, silently (a truthy string switching a flag on).
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -102,3 +104,38 @@ def check_bool(value: Any, what: str, optional: bool = False) -> Any:
         f"{what} must be {'None or ' if optional else ''}a bool (True or"
         f" False), got {type(value).__name__}: {value!r}")
   return bool(value)
+
+
+def check_scalar_bool(x: Any, what: str) -> jax.Array:
+  """Returns ``x`` as a JAX bool scalar, or raises naming ``what``.
+
+  Checks only dtype and shape, so tracers pass.
+
+  Args:
+    x: a Python ``bool`` or a 0-d bool array.
+    what: the argument's name, for the message.
+
+  Returns:
+    ``jnp.asarray(x)``.
+
+  Raises:
+    TypeError: if ``x`` is not a bool (the message shows its type and dtype).
+    ValueError: if ``x`` is not a scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._checks import check_scalar_bool
+    >>> check_scalar_bool(jnp.array(True), "pred").dtype
+    dtype('bool')
+  """
+  if isinstance(x, bool):
+    return jnp.asarray(x)
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or np.dtype(dtype) != np.bool_:
+    raise TypeError(
+        f"{what} must be a scalar bool (e.g. from jmp_lite.all_finite), got"
+        f" {type(x).__name__} with dtype {dtype}")
+  if tuple(x.shape) != ():
+    raise ValueError(
+        f"{what} must be a scalar bool, got shape {tuple(x.shape)}")
+  return jnp.asarray(x)

@@ -20,7 +20,9 @@ import optax
 from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_count, check_transformation
-from jmp_lite.finite import all_finite, copy_arrays, select_tree, skip_updates
+from jmp_lite._skipping import skip_updates
+from jmp_lite._trees import copy_arrays
+from jmp_lite.finite import all_finite, select_tree
 
 __all__ = ["AccumulateState", "accumulate_gradients"]
 

@@ -33,8 +33,9 @@ import numpy as np
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._nonfinite import nonfinite_counts, nonfinite_paths
+from jmp_lite._trees import unwrap_nnx
 from jmp_lite.policy import get_policy
-from jmp_lite.transforms import current_loss_scale, unwrap_nnx
+from jmp_lite.transforms import current_loss_scale
 
 __all__ = ["GradientHealth", "Misaligned", "NonfiniteOrigin",
            "PrecisionWarning", "check_alignment", "check_hardware",

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_scalar_bool
 
 __all__ = ["all_finite", "select_tree"]
+# check_scalar_bool lives in jmp_lite._checks; jmp_lite.loss_scale still
+# imports it from here.
 
 T = TypeVar("T")
 
@@ -66,100 +69,6 @@ def all_finite(tree: Any) -> jax.Array:
   if not partials:
     return jnp.array(True)
   return jnp.isfinite(functools.reduce(jnp.add, partials))
-
-
-def check_scalar_bool(x: Any, what: str) -> jax.Array:
-  """Returns ``x`` as a JAX bool scalar, or raises naming ``what``.
-
-  Checks only dtype and shape, so tracers pass.
-
-  Args:
-    x: a Python ``bool`` or a 0-d bool array.
-    what: the argument's name, for the message.
-
-  Returns:
-    ``jnp.asarray(x)``.
-
-  Raises:
-    TypeError: if ``x`` is not a bool (the message shows its type and dtype).
-    ValueError: if ``x`` is not a scalar.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> jmp_lite.finite.check_scalar_bool(jnp.array(True), "pred").dtype
-    dtype('bool')
-  """
-  if isinstance(x, bool):
-    return jnp.asarray(x)
-  dtype = getattr(x, "dtype", None)
-  if dtype is None or np.dtype(dtype) != np.bool_:
-    raise TypeError(
-        f"{what} must be a scalar bool (e.g. from jmp_lite.all_finite), got"
-        f" {type(x).__name__} with dtype {dtype}")
-  if tuple(x.shape) != ():
-    raise ValueError(
-        f"{what} must be a scalar bool, got shape {tuple(x.shape)}")
-  return jnp.asarray(x)
-
-
-def skip_updates(apply: jax.typing.ArrayLike, updates: T) -> T:
-  """``updates`` where ``apply`` is true, else ``-0.0`` in every inexact leaf.
-
-  ``-0.0``, not ``+0.0``: ``x + (-0.0) == x`` bit for bit for every ``x``,
-  ``-0.0`` included (``+0.0`` would turn it into ``+0.0``), so
-  ``optax.apply_updates`` leaves skipped params exactly as they were.
-
-  Args:
-    apply: a scalar bool.
-    updates: an updates pytree.
-
-  Returns:
-    The selected updates (non-inexact leaves untouched).
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> jmp_lite.finite.skip_updates(jnp.array(False), jnp.ones(2))
-    Array([-0., -0.], dtype=float32)
-  """
-  def pick(u: Any) -> Any:
-    if not _dtypes.is_inexact_array(u):
-      return u
-    return jnp.where(apply, u, jnp.asarray(-0.0, u.dtype))
-
-  return jax.tree.map(pick, updates)
-
-
-def copy_arrays(tree: T) -> T:
-  """Returns ``tree`` with every array leaf replaced by a copy of it.
-
-  An optimizer state must not share a buffer with the params (or with
-  another state): a train step jitted with ``donate_argnums`` for both would
-  donate that buffer twice and fail. ``init`` functions that keep a leaf as
-  given (a float32 master copy of float32 params, a loss-scale state built
-  from JAX arrays) pass it through this. JAX arrays stay JAX arrays (with
-  their sharding), numpy stays numpy; typed PRNG keys are copied too; other
-  leaves are returned as they are.
-
-  Args:
-    tree: any pytree.
-
-  Returns:
-    The same structure with fresh array leaves.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> w = jnp.ones(2)
-    >>> jmp_lite.finite.copy_arrays({"w": w})["w"] is w
-    False
-  """
-  def copy(x: Any) -> Any:
-    if isinstance(x, jax.Array):
-      return jnp.array(x, copy=True)
-    if isinstance(x, np.ndarray):
-      return x.copy()
-    return x
-
-  return jax.tree.map(copy, tree)
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:

@@ -13,13 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_transformation
-from jmp_lite.finite import copy_arrays
+from jmp_lite._trees import copy_arrays
 
 __all__ = ["MasterWeightsState", "master_params", "master_weights"]
 
@@ -209,26 +208,3 @@ def master_params(opt_state: Any) -> Any:
         f" {len(found)}; build the optimizer with jmp_lite.master_weights(...)"
     )
   return found[0].master
-
-
-def half_precision_leaves(tree: Any) -> list[str]:
-  """Key paths of the floating array leaves of ``tree`` narrower than float32.
-
-  float16, bfloat16 and the FP8 formats.
-
-  Args:
-    tree: any pytree (an optimizer state, say).
-
-  Returns:
-    The paths, as ``jax.tree_util.keystr`` strings with their dtype.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> jmp_lite.master.half_precision_leaves({"mu": jnp.ones(2, jnp.bfloat16)})
-    ["['mu'] (bfloat16)"]
-  """
-  return [
-      f"{jax.tree_util.keystr(path)} ({np.dtype(x.dtype).name})"
-      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-      if _dtypes.is_floating_array(x) and np.dtype(x.dtype).itemsize < 4
-  ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -28,6 +27,8 @@ import optax
 
 from jmp_lite import contract
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._skipping import reduce_finite
+from jmp_lite._trees import rewrap_nnx, unwrap_nnx
 from jmp_lite.finite import all_finite
 from jmp_lite.loss_scale import (
   DynamicLossScale,
@@ -35,7 +36,7 @@ from jmp_lite.loss_scale import (
   NoOpLossScale,
   StaticLossScale,
 )
-from jmp_lite.transforms import current_loss_scale, reduce_finite, unwrap_nnx
+from jmp_lite.transforms import current_loss_scale
 
 _LOSS_SCALES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -250,24 +251,8 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
   new_params, new_state = _step(optimizer, grads, opt_state, params, extra)
   # Back in the structures they came in (nnx variables included): a jitted
   # step or a lax.scan carry must see the same pytree on every call.
-  return (_restructured(given_params, new_params),
-          _restructured(given_state, new_state))
-
-
-def _restructured(like: Any, tree: Any) -> Any:
-  """``tree``'s leaves in ``like``'s pytree structure, when that holds nnx
-  variables whose unwrapping gave ``tree``'s structure; else ``tree``."""
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None:
-    return tree
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  nodes = jax.tree.leaves(like, is_leaf=is_variable)
-  if not any(is_variable(x) for x in nodes):
-    return tree
-  leaves, treedef = jax.tree.flatten(tree)
-  if jax.tree.structure(unwrap_nnx(like)) != treedef:
-    return tree
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+  return (rewrap_nnx(given_params, new_params),
+          rewrap_nnx(given_state, new_state))
 
 
 def _step(optimizer: optax.GradientTransformation, grads: Any,

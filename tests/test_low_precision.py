@@ -408,9 +408,9 @@ def test_fixed_seed_reproducible_and_bits_differ_across_seeds_leaves_steps():
 
 
 def test_bits_are_uniform():
-  from jmp_lite import low_precision as lp
-  bits = np.asarray(lp._random_bits(lp._step_key(jnp.uint32(0),
-                                                 jnp.uint32(5)), 2, (64, 256)))
+  from jmp_lite.low_precision import _rounding
+  bits = np.asarray(_rounding.random_bits(
+      _rounding.step_key(jnp.uint32(0), jnp.uint32(5)), 2, (64, 256)))
   # The 16 low and 16 high bits, each in 16 buckets: a chi-square test.
   for chunk in (bits >> 16, bits & 0xFFFF):
     counts = np.bincount((chunk >> 12).ravel(), minlength=16)
@@ -572,8 +572,8 @@ def _grads(i, bad=False):
   return g
 
 
-_GUARDS = (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState,
-           jmp_lite.AccumulateState)
+_GUARDS = (jmp_lite.LossScaledState, jmp_lite.transforms.SkipNonfiniteState,
+           jmp_lite.accumulation.AccumulateState)
 
 
 def _ours(state):
@@ -586,8 +586,8 @@ def _ours(state):
     state = jax.tree.map(
         lambda n: n.inner_state if isinstance(n, _GUARDS) else n, state,
         is_leaf=lambda n: isinstance(n, _GUARDS))
-  kinds = (jmp_lite.KahanState, jmp_lite.StochasticRoundingState,
-           jmp_lite.StateDtypesState)
+  lp = jmp_lite.low_precision
+  kinds = (lp.KahanState, lp.StochasticRoundingState, lp.StateDtypesState)
   return [n for k in kinds for n in jmp_lite.struct.find_nodes(state, k)]
 
 
@@ -652,7 +652,8 @@ def test_update_and_apply_decides_up_front_and_skips_bit_identically(name):
   chex.assert_trees_all_equal(skipped[0], p_a)
   chex.assert_trees_all_equal(_ours(skipped[1]), _ours(s_a))
   assert int(jmp_lite.struct.find_nodes(
-      skipped[1], (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState)
+      skipped[1],
+      (jmp_lite.LossScaledState, jmp_lite.transforms.SkipNonfiniteState)
   )[0].total_skips) == 1
 
 
@@ -664,7 +665,8 @@ def _two_partitions(make_inner):
 
 
 def _counter(state):
-  kinds = (jmp_lite.StochasticRoundingState, jmp_lite.StateDtypesState)
+  kinds = (jmp_lite.low_precision.StochasticRoundingState,
+           jmp_lite.low_precision.StateDtypesState)
   return int(jmp_lite.struct.find_nodes(state, kinds)[0].count)
 
 

@@ -227,14 +227,15 @@ def test_skips_leave_everything_as_a_run_without_the_bad_steps(name):
 
 
 def _without_counters(state):
-  kinds = (jmp_lite.LossScaledState, jmp_lite.SkipNonfiniteState)
+  kinds = (jmp_lite.LossScaledState, jmp_lite.transforms.SkipNonfiniteState)
   return jax.tree.map(lambda n: n.inner_state if isinstance(n, kinds) else n,
                       state, is_leaf=lambda n: isinstance(n, kinds))
 
 
 def _guard(state):
+  skip_state = jmp_lite.transforms.SkipNonfiniteState
   found = (jmp_lite.struct.find_nodes(state, jmp_lite.LossScaledState)
-           + jmp_lite.struct.find_nodes(state, jmp_lite.SkipNonfiniteState))
+           + jmp_lite.struct.find_nodes(state, skip_state))
   assert len(found) == 1
   return found[0]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import pickle
+from typing import Any
 
 import chex
 import jax
@@ -476,3 +478,55 @@ def test_loss_scale_state_is_copied_into_each_state():
   assert a.loss_scale.loss_scale is not scale.loss_scale
   assert (a.loss_scale.loss_scale.unsafe_buffer_pointer()
           != b.loss_scale.loss_scale.unsafe_buffer_pointer())
+
+
+# pickle.dumps(jax.device_get(state), protocol=4) at commit 7fed298, before
+# transforms.py and low_precision.py became packages, of
+# kahan_summation(loss_scaled(optax.sgd(0.1), StaticLossScale(2.0))) on
+# {"w": ones(2, bfloat16)}: a KahanState around a LossScaledState.
+_PICKLED_BEFORE_THE_SPLIT = base64.b64decode("""
+gASVFwMAAAAAAACMFmptcF9saXRlLmxvd19wcmVjaXNpb26UjApLYWhhblN0YXRllJOUKY
+GUfZQojAxjb21wZW5zYXRpb26UfZSMAXeUjBZudW1weS5fY29yZS5tdWx0aWFycmF5lIwM
+X3JlY29uc3RydWN0lJOUjAVudW1weZSMB25kYXJyYXmUk5RLAIWUQwFilIeUUpQoSwFLAo
+WUaAuMBWR0eXBllJOUjAltbF9kdHlwZXOUjAhiZmxvYXQxNpSTlImIh5RSlChLA4wBPJRO
+Tk5LAksCS0B0lGKJQwQAAAAAlHSUYnOMC2lubmVyX3N0YXRllIwTam1wX2xpdGUudHJhbn
+Nmb3Jtc5SMD0xvc3NTY2FsZWRTdGF0ZZSTlCmBlH2UKGgejA9vcHRheC5fc3JjLmJhc2WU
+jApFbXB0eVN0YXRllJOUKYGUaCYpgZSGlIwKbG9zc19zY2FsZZSME2ptcF9saXRlLmxvc3
+Nfc2NhbGWUjA9TdGF0aWNMb3NzU2NhbGWUk5QpgZR9lGgqaApoDUsAhZRoD4eUUpQoSwEp
+aBSMAmY0lImIh5RSlChLA2gaTk5OSv////9K/////0sAdJRiiUMEAAAAQJR0lGJzYowLdG
+90YWxfc2tpcHOUaApoDUsAhZRoD4eUUpQoSwEpaBSMAmk0lImIh5RSlChLA2gaTk5OSv//
+//9K/////0sAdJRiiUMEAAAAAJR0lGKMEWNvbnNlY3V0aXZlX3NraXBzlGgKaA1LAIWUaA
++HlFKUKEsBKWg/iUMEAAAAAJR0lGKMC2xhc3RfZmluaXRllGgKaA1LAIWUaA+HlFKUKEsB
+KWgUjAJiMZSJiIeUUpQoSwOMAXyUTk5OSv////9K/////0sAdJRiiUMBAZR0lGKMCW5vbm
+Zpbml0ZZROjARuYW1llE6MBmNvbmZpZ5RoH4wLR3VhcmRDb25maWeUk5QpgZR9lCiMCWF4
+aXNfbmFtZZROjAlza2lwX3dpdGiUjARhdXRvlIwNY2hlY2tfdXBkYXRlc5SJjAttYXlfYW
+1wbGlmeZSJdWJ1YnViLg==""")
+
+
+def test_states_pickled_before_the_split_load_and_step():
+  """Pickles name the public modules, before and after the split into
+  packages: an old checkpoint loads, and a new pickle names no private
+  module."""
+  opt = jmp_lite.kahan_summation(
+      jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0)))
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  old: Any = pickle.loads(_PICKLED_BEFORE_THE_SPLIT)
+  assert type(old) is jmp_lite.low_precision.KahanState
+  assert type(old.inner_state) is jmp_lite.LossScaledState
+  assert old.inner_state.config == jmp_lite.transforms.GuardConfig()
+  chex.assert_trees_all_equal(old, jax.device_get(opt.init(params)))
+  new: Any = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, old, params)[1]
+  assert int(new.inner_state.total_skips) == 0
+  data = pickle.dumps(jax.device_get(new), protocol=4)
+  assert b"jmp_lite.transforms\x94" in data
+  assert b"jmp_lite.low_precision\x94" in data
+  assert b"jmp_lite.transforms._" not in data
+  assert b"jmp_lite.low_precision._" not in data
+  for cls in (jmp_lite.LossScaledState, jmp_lite.transforms.SkipNonfiniteState,
+              jmp_lite.transforms.GuardConfig,
+              jmp_lite.transforms.NonFiniteHaltError):
+    assert cls.__module__ == "jmp_lite.transforms", cls
+  for cls in (jmp_lite.low_precision.KahanState,
+              jmp_lite.low_precision.StochasticRoundingState,
+              jmp_lite.low_precision.StateDtypesState):
+    assert cls.__module__ == "jmp_lite.low_precision", cls

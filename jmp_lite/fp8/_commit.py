@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import contract, struct
+from jmp_lite._checks import check_scalar_bool
+from jmp_lite._trees import unwrap_nnx
 from jmp_lite.accumulation import AccumulateState
-from jmp_lite.finite import check_scalar_bool
 from jmp_lite.fp8._recipes import ScalingState
-from jmp_lite.transforms import unwrap_nnx
 
 T = TypeVar("T")
 

@@ -1,0 +1,72 @@
+"""What the low-precision wrappers share: dtypes, upcasts, the declaration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import _optax, contract
+from jmp_lite import dtypes as _dtypes
+
+F32 = np.dtype(jnp.float32)
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def need_params(params: Any, who: str) -> None:
+  if params is None:
+    raise ValueError(
+        f"{who} needs the current params to round against: call"
+        " opt.update(grads, state, params)")
+
+
+def is_narrow(x: Any) -> bool:
+  """Floating arrays narrower than float32: bfloat16, float16, float8."""
+  return _dtypes.is_floating_array(x) and np.dtype(x.dtype).itemsize < 4
+
+
+def wide_dtype(*xs: Any) -> np.dtype:
+  """float32, or wider if an operand is (float64 updates under x64)."""
+  dtype = F32
+  for x in xs:
+    if _dtypes.is_floating_array(x):
+      dtype = jnp.promote_types(dtype, _dtypes.at_least_float32(x.dtype))
+  return np.dtype(dtype)
+
+
+def upcast(tree: Any) -> Any:
+  """Narrow floating leaves to float32; everything else as it is."""
+  return jax.tree.map(lambda x: x.astype(F32) if is_narrow(x) else x, tree)
+
+
+def unaliased(state: Any, *trees: Any) -> Any:
+  """``state`` with a copy of every leaf that *is* a leaf of ``trees``.
+
+  A train step donates params and optimizer state; a state leaf sharing the
+  params' buffer would be donated twice.
+  """
+  ids = {id(x) for t in trees for x in jax.tree.leaves(t)}
+  return jax.tree.map(
+      lambda x: jnp.array(x, copy=True)
+      if isinstance(x, jax.Array) and id(x) in ids else x, state)
+
+
+def forwarding(init: Any, rebind: Any, inner: optax.GradientTransformation,
+                half_by_design: Any = None
+                ) -> optax.GradientTransformationExtraArgs:
+  """A wrapper that hands ``inner`` the gradients (upcast at most), declared
+  so that jmp_lite.update_and_apply may decide a guard inside it up front
+  (the skipped branch's ``-0.0`` updates move nothing here)."""
+  return _optax.transformation(init, contract.declare(
+      rebind(inner.update), contract.Forwarding(
+          inner=inner, rebind=rebind, inner_state=lambda s: s.inner_state,
+          half_by_design=half_by_design)))
+
+
+def update_dtype(p: Any, wide: np.dtype) -> np.dtype:
+  # Updates of half params are exact in float32; FP8 params need FP8 ones
+  # (JAX adds no float32 update to them).
+  return np.dtype(p.dtype) if np.dtype(p.dtype).itemsize == 1 else wide

@@ -1,0 +1,362 @@
+"""``loss_scaled``: unscale, check, skip and adjust a loss scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite import _jaxpr, contract, struct
+from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_bool, check_transformation
+from jmp_lite._nonfinite import nonfinite_counts
+from jmp_lite._skipping import reduce_finite
+from jmp_lite._trees import copy_arrays, half_precision_leaves
+from jmp_lite.finite import all_finite
+from jmp_lite.loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  NoOpLossScale,
+  StaticLossScale,
+)
+from jmp_lite.policy import get_policy, Policy
+from jmp_lite.transforms._config import (
+  check_axis_name,
+  check_skip_with,
+  GuardConfig,
+)
+from jmp_lite.transforms._skip import (
+  check_config,
+  check_own_state,
+  count_skips,
+  decided_update,
+  Decision,
+  guard,
+  guarded_update,
+)
+
+
+@struct.dataclass
+class LossScaledState(contract.Gate):
+  """State of :func:`loss_scaled`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, untouched by skipped steps.
+    loss_scale: the loss-scale state to scale the *next* loss with.
+    total_skips: skipped steps since ``init`` (int32).
+    consecutive_skips: skipped steps since the last applied one (int32).
+    last_finite: whether the last step was applied: its gradients (and, with
+      ``check_updates``, its updates) were finite (bool).
+    name: a label that tells several loss-scaled optimizers apart (static).
+    nonfinite: with ``track_nonfinite=True``, the last step's per-leaf counts
+      of non-finite gradient elements (see ``jmp_lite.nonfinite_paths``);
+      otherwise ``None``.
+    config: the static :class:`GuardConfig`.
+  """
+
+  inner_state: Any
+  loss_scale: Any
+  total_skips: Any
+  consecutive_skips: Any
+  last_finite: Any
+  name: str | None = struct.field(static=True, default=None)
+  nonfinite: Any = None
+  config: GuardConfig = struct.field(static=True, default=GuardConfig())
+
+  def applied(self) -> jax.Array:
+    """Whether the last step was applied (see :class:`jmp_lite.contract.Gate`).
+
+    Returns:
+      ``last_finite``, a bool scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), "f32")
+      >>> bool(opt.init(jnp.ones(2)).applied())
+      True
+    """
+    return jnp.asarray(self.last_finite, jnp.bool_)
+
+  def inner(self) -> Any:
+    """The wrapped optimizer's state (see :class:`jmp_lite.contract.Gate`).
+
+    Returns:
+      ``inner_state``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), "f32")
+      >>> opt.init(jnp.ones(2)).inner()
+      (EmptyState(), EmptyState())
+    """
+    return self.inner_state
+
+
+def default_loss_scale(policy: Policy | str) -> LossScale:
+  """Chooses a loss scale for a policy.
+
+  Dynamic scaling (from 2**15, as ``jmp`` recommends) when the policy computes
+  in float16, whose narrow range makes small gradients underflow; no scaling
+  for bfloat16, float32 and float64, which share float32's range.
+
+  Args:
+    policy: a :class:`Policy` or a policy string.
+
+  Returns:
+    A :class:`DynamicLossScale` or a :class:`NoOpLossScale`.
+
+  Example:
+    >>> import jmp_lite
+    >>> type(jmp_lite.default_loss_scale("c=f16")).__name__
+    'DynamicLossScale'
+    >>> type(jmp_lite.default_loss_scale("c=bf16")).__name__
+    'NoOpLossScale'
+  """
+  if isinstance(policy, str):
+    policy = get_policy(policy)
+  if not isinstance(policy, Policy):
+    raise TypeError(
+        f"Expected a jmp_lite.Policy or policy string, got {policy!r}"
+    )
+  if policy.compute_dtype == np.dtype(jnp.float16):
+    return DynamicLossScale(2.0**15)
+  return NoOpLossScale()
+
+
+def _scale_kind(loss_scale: Any) -> Any:
+  """A loss scale's class and static settings (``period``, ``factor``,
+  ``hysteresis``...): its own pytree node, children as leaves."""
+  return jax.tree.structure(loss_scale, is_leaf=lambda n: n is not loss_scale)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | Policy | str,
+    *,
+    axis_name: Any = None,
+    name: str | None = None,
+    allow_half_state: bool = False,
+    track_nonfinite: bool = False,
+    check_updates: bool | None = None,
+    skip_with: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` with loss scaling: unscale, check, skip, adjust.
+
+  Keeps the loss-scale state inside the optimizer state. ``update`` takes the
+  gradients of the *scaled* loss, unscales them, checks their finiteness once,
+  runs ``inner`` on the unscaled gradients (so a clipping or weight-decay step
+  inside ``inner`` sees true gradient values), skips the step as
+  :func:`skip_nonfinite` does when they are not finite, and adjusts the scale.
+  Use :func:`current_loss_scale` to fetch the scale for the next loss (or
+  :func:`jmp_lite.scaled_value_and_grad`, which takes the optimizer state),
+  and :func:`jmp_lite.update_and_apply` instead of ``update`` +
+  ``optax.apply_updates`` for the cheapest donated train step.
+
+  Args:
+    inner: the optimizer to wrap; put every transformation that must see
+      unscaled gradients (clipping!) inside it.
+    loss_scale: the initial :class:`NoOpLossScale`, :class:`StaticLossScale` or
+      :class:`DynamicLossScale`; or a :class:`Policy`/policy string, to use
+      :func:`default_loss_scale`.
+    axis_name: the mapped axis name under ``shard_map``/``pmap``; every device
+      then skips and backs off together.
+    name: a label for :func:`current_loss_scale` when several loss-scaled
+      optimizers live in one state. Each guard unscales the gradients it
+      gets by *its own* scale: they must be gradients of a loss multiplied
+      by exactly that scale. Several dynamic scales over *one* loss (a guard
+      per ``optax.multi_transform`` partition, say) drift apart as soon as
+      one backs off alone, and from then on the other guards unscale by the
+      wrong factor, silently (their updates are off by the ratio of the
+      scales). Give each scale its own loss, scaled by
+      ``current_loss_scale(state, name)``, or put one ``loss_scaled``
+      around the whole ``multi_transform`` for one loss.
+    allow_half_state: ``init`` refuses an inner state with float16,
+      bfloat16 or FP8 leaves (Adam's moments take the dtype of
+      half-precision params, and then small updates vanish) unless this is
+      ``True``. The usual fix is :func:`master_weights` around this
+      transformation. Leaves half by design do not count: the compensation
+      of :func:`kahan_summation` and what :func:`state_dtypes` stores (it
+      computes in float32).
+    track_nonfinite: keep per-leaf counts of non-finite gradient elements in
+      ``state.nonfinite`` (costs one more read of the gradients).
+    check_updates: also skip a step whose *updates* are non-finite although
+      its gradients were finite: an optimizer running in half precision can
+      overflow on its own (Adam's ``eps=1e-8`` is 0 in float16). Costs one
+      read of the updates. ``None`` (default) turns it on exactly when
+      ``allow_half_state`` is true. The new inner state is not checked: a
+      moment that overflowed to inf can still give finite (zero) updates
+      (see :func:`skip_nonfinite`).
+    skip_with: ``"auto"`` (default), ``"cond"`` or ``"select"``: how a skip
+      is compiled (see the module docstring). ``check_updates`` and a scale
+      that may drop below 1 always select.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`LossScaledState`.
+
+  Raises:
+    TypeError: if ``inner`` is not a gradient transformation,
+      ``loss_scale`` is not a loss scale or policy, ``axis_name`` is not
+      hashable, or a flag is not a bool; from ``init``, if the inner state
+      holds half-precision leaves and ``allow_half_state`` is false.
+    ValueError: if ``skip_with`` is unknown.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1),
+    ...                            jmp_lite.StaticLossScale(4.0))
+    >>> params = jnp.ones(2)
+    >>> state = opt.init(params)
+    >>> scale = jmp_lite.current_loss_scale(state)
+    >>> grads = jax.grad(lambda p: scale.scale((p ** 2).sum()))(params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> updates
+    Array([-0.2, -0.2], dtype=float32)
+  """
+  check_transformation(inner, "loss_scaled")
+  if isinstance(loss_scale, str):
+    try:
+      loss_scale = default_loss_scale(loss_scale)
+    except ValueError as e:
+      raise ValueError(
+          f"loss_scaled: the loss_scale string {loss_scale!r} is read as a"
+          " policy (e.g. 'p=f32,c=f16,o=f32' or 'bf16'), whose compute dtype"
+          f" picks the default scale, and it is not one: {e}. For a chosen"
+          " schedule pass a state: jmp_lite.DynamicLossScale(2.0**15),"
+          " jmp_lite.StaticLossScale(...) or jmp_lite.NoOpLossScale()"
+      ) from None
+  elif isinstance(loss_scale, Policy):
+    loss_scale = default_loss_scale(loss_scale)
+  if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale,
+                                 DynamicLossScale)):
+    raise TypeError(
+        "loss_scale must be a NoOpLossScale, StaticLossScale,"
+        " DynamicLossScale, Policy or policy string, got"
+        f" {type(loss_scale).__name__}: {loss_scale!r}"
+    )
+  if name is not None and not isinstance(name, str):
+    raise TypeError(f"name must be a str or None, got {name!r}")
+  allow_half_state = check_bool(allow_half_state, "allow_half_state")
+  track_nonfinite = check_bool(track_nonfinite, "track_nonfinite")
+  check_updates = check_bool(check_updates, "check_updates", optional=True)
+  if check_updates is None:
+    check_updates = allow_half_state
+  initial_scale = loss_scale
+  scale_kind = _scale_kind(loss_scale)
+  check_unscaled = _may_amplify(loss_scale)
+  config = GuardConfig(axis_name=check_axis_name(axis_name),
+                       skip_with=check_skip_with(skip_with),
+                       check_updates=check_updates,
+                       may_amplify=check_unscaled)
+
+  def tracked(grads: Any) -> Any:
+    if not track_nonfinite:
+      return None
+    return nonfinite_counts(grads)
+
+  def init(params: Any) -> LossScaledState:
+    inner_state = inner.init(params)
+    half = half_precision_leaves(
+        contract.without_half_by_design(inner, inner_state))
+    if half and not allow_half_state:
+      raise TypeError(
+          "The optimizer state would hold half-precision leaves: "
+          + ", ".join(half[:4]) + (" ..." if len(half) > 4 else "")
+          + ". Moments in float16/bfloat16/FP8 silently lose small updates."
+          " Keep float32 master weights with"
+          " jmp_lite.master_weights(loss_scaled(...)), or pass"
+          " allow_half_state=True to loss_scaled if this is deliberate."
+      )
+    return LossScaledState(
+        inner_state=inner_state,
+        # A copy: a donated step must not find one buffer in two states.
+        loss_scale=copy_arrays(initial_scale),
+        total_skips=jnp.zeros((), jnp.int32),
+        consecutive_skips=jnp.zeros((), jnp.int32),
+        last_finite=jnp.ones((), jnp.bool_),
+        name=name,
+        nonfinite=tracked(params),
+        config=config,
+    )
+
+  def check(state: Any) -> None:
+    check_own_state(state, LossScaledState, "loss_scaled")
+    check_config(state, config, "loss_scaled", name=(state.name, name),
+                  loss_scale=(_scale_kind(state.loss_scale), scale_kind))
+
+  def run(grads: Any, state: LossScaledState, params: Any,
+          extra: dict[str, Any], decision: Decision | None
+          ) -> tuple[Any, LossScaledState]:
+    check(state)
+    scale = state.loss_scale
+    if decision is not None:
+      # Decided by update_and_apply from these very gradients.
+      new_updates, new_inner, apply = decided_update(
+          inner, grads, state.inner_state, params, decision, extra,
+          prepare=scale.unscale)
+      finite = apply
+      counted = grads
+    elif config.formulation()[0] == "cond":
+      # Checking the incoming (scaled) gradients, and unscaling inside the
+      # branch, lets XLA fuse the unscale into the optimizer's kernels.
+      # Unscaling by 1/scale <= 1 cannot overflow (may_amplify is false).
+      finite = reduce_finite(all_finite(grads), axis_name)
+      new_updates, new_inner, apply = guarded_update(
+          inner, grads, state.inner_state, params, finite, extra,
+          prepare=scale.unscale, branch=True)
+      counted = grads
+    else:
+      # The scaled gradients are checked for the same reason; a scale that
+      # may drop below 1 needs the unscaled ones checked too.
+      finite = all_finite(grads)
+      grads = scale.unscale(grads)
+      if check_unscaled:
+        finite = finite & all_finite(grads)
+      finite = reduce_finite(finite, axis_name)
+      new_updates, new_inner, apply = guarded_update(
+          inner, grads, state.inner_state, params, finite, extra,
+          check_updates=check_updates, axis_name=axis_name)
+      counted = grads
+    counts = count_skips(apply, state.total_skips, state.consecutive_skips)
+    return new_updates, LossScaledState(
+        inner_state=new_inner,
+        # The scale answers to the gradients only: an update that overflows
+        # inside the optimizer is not the loss scale's doing.
+        loss_scale=scale.adjust(finite),
+        total_skips=counts.total_skips,
+        consecutive_skips=counts.consecutive_skips,
+        last_finite=apply,
+        name=name,
+        nonfinite=_tracked_after(decision, counted),
+        config=config,
+    )
+
+  def _tracked_after(decision: Decision | None, grads: Any) -> Any:
+    if track_nonfinite and decision is not None and decision.apply:
+      # Finite by decision: the counts are zeros, no need to read them.
+      return jax.tree.map(
+          lambda x: jnp.zeros((), jnp.int32)
+          if _dtypes.is_inexact_array(x) else None, grads)
+    return tracked(grads)
+
+  return guard(init, run, config, check)
+
+
+def _may_amplify(loss_scale: LossScale) -> bool:
+  """Whether unscaling can ever multiply by more than 1 (scale below 1)."""
+  if isinstance(loss_scale, NoOpLossScale):
+    return False
+  lowest = (loss_scale.min_loss_scale
+            if isinstance(loss_scale, DynamicLossScale)
+            else loss_scale.loss_scale)
+  if _jaxpr.is_tracer(lowest):
+    return True  # Unknown while tracing: take the safe path.
+  return bool(float(lowest) < 1.0)
+
+
+# The class names jmp_lite.transforms as its module (see __init__), where
+# doctest would not find its methods' examples; they run with this module.
+__test__ = {"LossScaledState": LossScaledState}
