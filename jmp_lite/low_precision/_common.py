@@ -17,6 +17,7 @@ BF16 = np.dtype(jnp.bfloat16)
 
 
 def need_params(params: Any, who: str) -> None:
+  """Raises a ``ValueError`` naming ``who`` when ``params`` is ``None``."""
   if params is None:
     raise ValueError(
         f"{who} needs the current params to round against: call"

@@ -19,6 +19,14 @@ from jmp_lite.low_precision._common import BF16, F32
 
 
 def check_seed(seed: Any) -> int:
+  """``seed`` as an int in ``[0, 2**32)``, or a ``TypeError``/``ValueError``.
+
+  Example:
+    >>> import numpy as np
+    >>> from jmp_lite.low_precision._rounding import check_seed
+    >>> check_seed(np.uint32(7))
+    7
+  """
   if isinstance(seed, (bool, np.bool_)) or not isinstance(
       seed, (int, np.integer)):
     raise TypeError(f"seed must be an int, got {type(seed).__name__}: {seed!r}")

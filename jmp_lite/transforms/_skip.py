@@ -29,6 +29,14 @@ class Counters(NamedTuple):
 
 
 def count_skips(finite: jax.Array, total: Any, consecutive: Any) -> Counters:
+  """A guard's skip counters after a step that was applied where ``finite``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.transforms._skip import count_skips
+    >>> int(count_skips(jnp.array(False), 3, 1).consecutive_skips)
+    2
+  """
   skipped = (~finite).astype(jnp.int32)
   return Counters(
       total_skips=jnp.asarray(total, jnp.int32) + skipped,
@@ -225,6 +233,7 @@ def guard(init: Any, run: Any, config: GuardConfig, check: Any,
 
 
 def check_own_state(state: Any, cls: type, who: str) -> None:
+  """Raises a ``TypeError`` unless ``state`` is a ``cls``, the guard's own."""
   # The usual way here: loss_scaled(...) added to a script that kept the
   # opt_state (or TrainState) the bare optimizer made.
   if not isinstance(state, cls):
