@@ -2,17 +2,35 @@
 
 A drop-in superset of DeepMind's ``jmp``: ``import jmp_lite as jmp`` runs code
 written for ``jmp`` 0.0.4.
+
+The top level holds ``jmp``'s names, the optax layer, autocast and the
+diagnostics. The rest lives in named public submodules, loaded with the
+package: :mod:`jmp_lite.transforms`, :mod:`jmp_lite.master`,
+:mod:`jmp_lite.accumulation` and :mod:`jmp_lite.low_precision` (the
+optimizers' state classes), :mod:`jmp_lite.step`, :mod:`jmp_lite.contract`,
+:mod:`jmp_lite.dtypes`, :mod:`jmp_lite.struct`, :mod:`jmp_lite.fp8`,
+:mod:`jmp_lite.diagnostics`, :mod:`jmp_lite.path_rules`; and, each importing
+its framework, :mod:`jmp_lite.linen`, :mod:`jmp_lite.nnx`,
+:mod:`jmp_lite.equinox` and :mod:`jmp_lite.presets`.
 """
 
+from jmp_lite import accumulation as accumulation
+from jmp_lite import autocasting as autocasting
+from jmp_lite import contract as contract
+from jmp_lite import diagnostics as diagnostics
 from jmp_lite import dtypes as dtypes
+from jmp_lite import finite as finite
 from jmp_lite import fp8 as fp8
+from jmp_lite import loss_scale as loss_scale
+from jmp_lite import low_precision as low_precision
 from jmp_lite import master as master
 from jmp_lite import path_rules as path_rules
+from jmp_lite import policy as policy
 from jmp_lite import step as step
 from jmp_lite import struct as struct
+from jmp_lite import transforms as transforms
 from jmp_lite._version import __version__ as __version__
 from jmp_lite.accumulation import accumulate_gradients as accumulate_gradients
-from jmp_lite.accumulation import AccumulateState as AccumulateState
 from jmp_lite.autocasting import autocast as autocast
 from jmp_lite.autocasting import autocast_audit as autocast_audit
 from jmp_lite.autocasting import autocast_fp8_state as autocast_fp8_state
@@ -33,16 +51,10 @@ from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
 from jmp_lite.low_precision import kahan_summation as kahan_summation
-from jmp_lite.low_precision import KahanState as KahanState
 from jmp_lite.low_precision import state_dtypes as state_dtypes
-from jmp_lite.low_precision import StateDtypesState as StateDtypesState
 from jmp_lite.low_precision import stochastic_rounding as stochastic_rounding
-from jmp_lite.low_precision import (
-    StochasticRoundingState as StochasticRoundingState,
-)
 from jmp_lite.master import master_params as master_params
 from jmp_lite.master import master_weights as master_weights
-from jmp_lite.master import MasterWeightsState as MasterWeightsState
 from jmp_lite.path_rules import cast_by_path as cast_by_path
 from jmp_lite.policy import cast_to_full as cast_to_full
 from jmp_lite.policy import cast_to_half as cast_to_half
@@ -59,23 +71,16 @@ from jmp_lite.transforms import LossScaledState as LossScaledState
 from jmp_lite.transforms import NonFiniteHaltError as NonFiniteHaltError
 from jmp_lite.transforms import raise_if_halted as raise_if_halted
 from jmp_lite.transforms import skip_nonfinite as skip_nonfinite
-from jmp_lite.transforms import SkipNonfiniteState as SkipNonfiniteState
 
 __all__ = (
-    "AccumulateState",
     "DynamicLossScale",
-    "KahanState",
     "LossScale",
     "LossScaledState",
-    "MasterWeightsState",
     "NoOpLossScale",
     "NonFiniteHaltError",
     "Policy",
     "PrecisionWarning",
-    "SkipNonfiniteState",
-    "StateDtypesState",
     "StaticLossScale",
-    "StochasticRoundingState",
     "accumulate_gradients",
     "all_finite",
     "apply_gradients",
@@ -89,10 +94,8 @@ __all__ = (
     "check_hardware",
     "current_loss_scale",
     "default_loss_scale",
-    "dtypes",
     "find_nonfinite",
     "float32_region",
-    "fp8",
     "get_policy",
     "gradient_health",
     "half_dtype",
@@ -100,19 +103,15 @@ __all__ = (
     "kahan_summation",
     "loss_scaled",
     "loss_scaled_state",
-    "master",
     "master_params",
     "master_weights",
     "nonfinite_counts",
     "nonfinite_paths",
-    "path_rules",
     "raise_if_halted",
     "scaled_value_and_grad",
     "select_tree",
     "skip_nonfinite",
     "state_dtypes",
-    "step",
     "stochastic_rounding",
-    "struct",
     "update_and_apply",
 )

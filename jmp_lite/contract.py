@@ -251,10 +251,11 @@ class Gate(abc.ABC):
   """A state that says whether the step that made it moved any param.
 
   The states of transformations that hand on ``-0.0`` updates when they
-  skip (:class:`~jmp_lite.LossScaledState`, ``SkipNonfiniteState``,
-  :class:`~jmp_lite.AccumulateState`) subclass it. Wrappers that must
-  advance only on applied steps (stochastic rounding's random stream, FP8's
-  amax history) read it through :func:`step_applied`.
+  skip (:class:`~jmp_lite.LossScaledState`,
+  :class:`~jmp_lite.transforms.SkipNonfiniteState`,
+  :class:`~jmp_lite.accumulation.AccumulateState`) subclass it. Wrappers
+  that must advance only on applied steps (stochastic rounding's random
+  stream, FP8's amax history) read it through :func:`step_applied`.
 
   Example:
     >>> import jmp_lite

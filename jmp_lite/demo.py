@@ -107,9 +107,14 @@ def _progress(out: TextIO | None, label: str, i: int, n: int) -> None:
     return
   width = 30
   done = width * i // max(n, 1)
-  out.write(f"\r{label:10s} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
-  if i == n:
-    out.write("\n")
+  bar = f"{label:10s} [{'#' * done}{'.' * (width - done)}] {i}/{n}"
+  isatty = getattr(out, "isatty", None)
+  if callable(isatty) and isatty():
+    out.write("\r" + bar + ("\n" if i == n else ""))
+  elif i == n or 4 * i // max(n, 1) != 4 * (i - 1) // max(n, 1):
+    # A log file or a pipe: whole lines, at each quarter (carriage returns
+    # would run the bar into one long line).
+    out.write(bar + "\n")
   out.flush()
 
 

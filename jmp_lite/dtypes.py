@@ -58,6 +58,10 @@ def half_dtype(device: Any = None) -> np.dtype:
   """
   if device is None:
     device = jax.local_devices()[0]
+  if not isinstance(getattr(device, "platform", None), str):
+    raise TypeError(
+        "half_dtype expects a jax.Device (e.g. jax.devices()[0]) or None,"
+        f" got {type(device).__name__}: {device!r}")
   platform = device.platform.lower()
   if platform == "tpu":
     return np.dtype(jnp.bfloat16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cmath
 import functools
+import numbers
 from typing import Any, TypeVar
 
 import jax
@@ -14,8 +15,6 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_scalar_bool
 
 __all__ = ["all_finite", "select_tree"]
-# check_scalar_bool lives in jmp_lite._checks; jmp_lite.loss_scale still
-# imports it from here.
 
 T = TypeVar("T")
 
@@ -25,8 +24,8 @@ def all_finite(tree: Any) -> jax.Array:
 
   Detects +inf, -inf and NaN in any floating (or complex) leaf of any dtype,
   and in Python ``float``/``complex`` leaves (checked on the host: they are
-  constants even under ``jax.jit``). Integer, bool and ``float0`` leaves,
-  ``None`` and other non-array leaves are ignored; an empty tree is finite.
+  constants even under ``jax.jit``). Integer, bool and ``float0`` leaves
+  (and ``None``, which is no leaf) are ignored; an empty tree is finite.
 
   Each leaf costs exactly one fused read: ``sum(x - x)`` is ``0`` when every
   element is finite and NaN as soon as one is +-inf or NaN (``inf - inf`` is
@@ -41,8 +40,9 @@ def all_finite(tree: Any) -> jax.Array:
     A ``bool`` scalar ``jax.Array``.
 
   Raises:
-    TypeError: for a string leaf, which is no number (a tree of names or
-      paths passed by mistake would otherwise count as finite).
+    TypeError: for a leaf that is no number or array (a string, an
+      object: a tree of names or paths passed by mistake would otherwise
+      count as finite).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -53,10 +53,13 @@ def all_finite(tree: Any) -> jax.Array:
   """
   leaves = jax.tree.leaves(tree)
   for x in leaves:
-    if isinstance(x, (str, bytes)):
+    if isinstance(x, (str, bytes)) or not isinstance(
+        x, (numbers.Number, np.ndarray, np.generic, jax.Array)):
+      # A tree of names, or of objects, given by mistake would otherwise
+      # count as finite: the step it guards would never skip.
       raise TypeError(
           "all_finite expects a pytree of arrays or numbers, got a"
-          f" {type(x).__name__} leaf: {x!r}")
+          f" {type(x).__name__} leaf: {x!r:.200}")
     if isinstance(x, (float, complex)) and not cmath.isfinite(x):
       return jnp.array(False)
   partials = [

@@ -34,7 +34,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.finite import check_scalar_bool
+from jmp_lite._checks import check_scalar_bool
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -189,12 +189,27 @@ def _multiply(tree: T, factor: jax.Array) -> T:
       # its dtype); bool and int are not floating.
       if isinstance(x, float):
         return jnp.asarray(x, jnp.float32) * jnp.asarray(factor, jnp.float32)
+      if isinstance(x, complex):
+        return jnp.asarray(x, jnp.complex64) * jnp.asarray(factor,
+                                                           jnp.float32)
       return x
     wide = _dtypes.at_least_float32(x.dtype)
     real = jnp.finfo(wide).dtype
     return (x.astype(wide) * jnp.asarray(factor, real)).astype(x.dtype)
 
+  _check_numeric_leaves(tree)
   return jax.tree.map(mul, tree)
+
+
+def _check_numeric_leaves(tree: Any) -> None:
+  """Raises for a leaf that is no number or array (a string, say): scaling
+  passed it through, so a tree of names given by mistake went unnoticed."""
+  for x in jax.tree.leaves(tree):
+    if not (isinstance(x, (numbers.Number, np.ndarray, np.generic, jax.Array))
+            or _jaxpr.is_tracer(x)):
+      raise TypeError(
+          "A loss scale scales numbers and arrays, got a"
+          f" {type(x).__name__} leaf: {x!r:.200}")
 
 
 class _MultiplyingScale:
@@ -252,7 +267,11 @@ class NoOpLossScale:
 
     Returns:
       ``tree`` itself.
+
+    Raises:
+      TypeError: for a leaf that is no number or array.
     """
+    _check_numeric_leaves(tree)
     return tree
 
   def unscale(self, tree: T) -> T:
@@ -263,7 +282,11 @@ class NoOpLossScale:
 
     Returns:
       ``tree`` itself.
+
+    Raises:
+      TypeError: for a leaf that is no number or array.
     """
+    _check_numeric_leaves(tree)
     return tree
 
   def adjust(self, grads_finite: Any) -> NoOpLossScale:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,6 +30,8 @@ class Policy:
   A frozen, hashable dataclass (usable as a static argument to ``jax.jit``).
   Dtypes may be given as dtypes, scalar types or names (``"bf16"``); they are
   stored as canonical ``np.dtype`` so that equal policies compare equal.
+  Python's ``float`` is JAX's default float, as for ``jnp.zeros(3, float)``:
+  float32 unless x64 is enabled (ask for ``"f64"`` to mean float64).
   Casting touches only floating-point array leaves (numpy stays numpy, JAX
   stays JAX); ints, bools, complex, ``float0``, ``None``, Python scalars and
   other objects pass through untouched, and a leaf already in the target dtype
@@ -55,6 +58,12 @@ class Policy:
   def __post_init__(self) -> None:
     for name in ("param_dtype", "compute_dtype", "output_dtype"):
       dtype = _dtypes.to_floating_dtype(getattr(self, name), name)
+      if getattr(self, name) is float:
+        # Python's float is JAX's default float, as in jnp.zeros(3, float):
+        # float32 unless x64 is on (numpy would read it as float64, a dtype
+        # JAX then computes in float32: the policy would say one thing and
+        # the computation do another).
+        dtype = np.dtype(jax.dtypes.canonicalize_dtype(float))
       object.__setattr__(self, name, dtype)
 
   def cast_to_param(self, x: T) -> T:

@@ -224,7 +224,8 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
 
   Raises:
     TypeError: if ``optimizer`` is not a gradient transformation.
-    ValueError: if ``params`` is ``None``.
+    ValueError: if ``params`` is ``None``, or ``grads`` has another tree
+      structure or other shapes than ``params``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
@@ -248,11 +249,31 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
         " update_and_apply(optimizer, grads, opt_state, params)")
   given_params, given_state = params, opt_state
   grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
+  _check_grads_fit(grads, params)
   new_params, new_state = _step(optimizer, grads, opt_state, params, extra)
   # Back in the structures they came in (nnx variables included): a jitted
   # step or a lax.scan carry must see the same pytree on every call.
   return (rewrap_nnx(given_params, new_params),
           rewrap_nnx(given_state, new_state))
+
+
+def _check_grads_fit(grads: Any, params: Any) -> None:
+  """Raises unless ``grads`` has the params' tree and shapes (gradients of
+  another model, or transposed, failed deep inside optax or XLA)."""
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+  p_leaves, p_def = jax.tree.flatten(params)
+  if g_def != p_def:
+    raise ValueError(
+        "update_and_apply: the gradients' tree structure differs from the"
+        f" params' (gradients of another model or of a part of it?):"
+        f" grads {str(g_def):.300}, params {str(p_def):.300}")
+  for (path, g), p in zip(g_leaves, p_leaves, strict=True):
+    g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
+    if g_shape is not None and p_shape is not None and (
+        tuple(g_shape) != tuple(p_shape)):
+      raise ValueError(
+          f"update_and_apply: the gradient at {jax.tree_util.keystr(path)}"
+          f" has shape {tuple(g_shape)}, its param {tuple(p_shape)}")
 
 
 def _step(optimizer: optax.GradientTransformation, grads: Any,

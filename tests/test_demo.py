@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -154,3 +155,24 @@ def test_autocast_benchmark_runs_small():
           for line in out.stdout.splitlines()
           if line.startswith(("| jmp_lite.autocast |", "| cast by hand |"))}
   assert rows["jmp_lite.autocast"] == rows["cast by hand"], rows
+
+
+def test_progress_writes_plain_lines_when_not_a_terminal():
+  """A redirected log got carriage returns: one line of 40 bars."""
+  class Log(io.StringIO):
+    def isatty(self):
+      return False
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+
+  log, tty = Log(), Terminal()
+  for i in range(41):
+    demo._progress(log, "f32", i, 40)
+    demo._progress(tty, "f32", i, 40)
+  lines = log.getvalue().splitlines()
+  assert "\r" not in log.getvalue()
+  assert [line.split()[-1] for line in lines] == [
+      "0/40", "10/40", "20/40", "30/40", "40/40"]
+  assert tty.getvalue().count("\r") == 41 and tty.getvalue().endswith("\n")

@@ -1,6 +1,6 @@
 """The Flax internals jmp_lite.linen relies on, one test each.
 
-``jmp_lite/linen/_flax_compat.py`` is the only place that reaches past
+``jmp_lite/_flax_compat.py`` is the only place that reaches past
 Flax's public API; these tests fail when one of those internals changes or
 disappears, before the adapter breaks in a confusing way.
 """
@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmp_lite.linen import _flax_compat as compat
+from jmp_lite import _flax_compat as compat
 
 
 def _pass_through(next_fun, args, kwargs, context):

@@ -895,11 +895,3 @@ def test_sharded_runs_match_the_unsharded_run():
   ], proc.stdout + proc.stderr
 
 
-def test_docs_page_python_blocks_run():
-  text = (ROOT / "docs" / "low_precision.md").read_text()
-  blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-  assert len(blocks) >= 3
-  namespace: dict = {}
-  for i, block in enumerate(blocks):
-    exec(compile(block, f"docs/low_precision.md[python block {i}]", "exec"),
-         namespace)

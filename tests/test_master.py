@@ -27,7 +27,7 @@ def _loss(params, x):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
-def test_half_params_equal_cast_master_after_every_step(dtype, variant):
+def test_half_params_equal_cast_master_after_every_step(dtype):
   # float32 updates, cast back by optax.apply_updates: exact every step.
   opt = jmp_lite.master_weights(jmp_lite.loss_scaled(
       optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10, period=5)),
@@ -45,7 +45,9 @@ def test_half_params_equal_cast_master_after_every_step(dtype, variant):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = variant(step)
+  # Jitted only: eager runs the same arithmetic op by op (52 s against
+  # 2.6 s) and asserted nothing more.
+  step = jax.jit(step)
   rng = np.random.default_rng(1)
   for _ in range(30):
     params, state = step(params, state,

@@ -1,4 +1,4 @@
-"""Tests for jmp_lite.nnx._flax_compat: what the nnx adapter assumes of Flax.
+"""Tests for jmp_lite._flax_compat: what the nnx adapter assumes of Flax.
 
 Each test fails when a Flax release changes one of the facts the module
 docstring lists.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_lite.nnx import _flax_compat as compat
+from jmp_lite import _flax_compat as compat
 
 
 class Block(nnx.Module):

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jmp_lite
+from jmp_lite import low_precision
 from jmp_lite.diagnostics import tree_bytes
 from jmp_lite.presets import preset
 from tests.conftest import as_xla_gpu_simplifies, assert_dtype
@@ -31,8 +32,9 @@ def _adam_state(state):
 
 @pytest.mark.parametrize("half", ["bf16", "f16"])
 @pytest.mark.parametrize("compensation,kind,bytes_per_param", [
-    ("auto", jmp_lite.KahanState, 8), ("kahan", jmp_lite.KahanState, 8),
-    ("stochastic", jmp_lite.StochasticRoundingState, 6)])
+    ("auto", low_precision.KahanState, 8),
+    ("kahan", low_precision.KahanState, 8),
+    ("stochastic", low_precision.StochasticRoundingState, 6)])
 def test_o3_recipe_state_dtypes_and_bytes(half, compensation, kind,
                                           bytes_per_param):
   p = preset("O3", half=half, compensation=compensation)
@@ -45,7 +47,7 @@ def test_o3_recipe_state_dtypes_and_bytes(half, compensation, kind,
   # Moments in bfloat16 for float16 params too (float16 lacks the range).
   assert_dtype(adam.mu["w"], jnp.bfloat16)
   assert_dtype(adam.nu["w"], jnp.bfloat16)
-  if kind is jmp_lite.KahanState:
+  if kind is jmp_lite.low_precision.KahanState:
     assert_dtype(state.compensation["w"], dtype)
   n = sum(x.size for x in jax.tree.leaves(params))
   # Scalars (counts, the loss scale) add a few bytes in all.
@@ -139,7 +141,8 @@ def test_o3_without_compensation_is_the_plain_pure_half_recipe():
   state = p.optimizer(optax.adam(1e-3)).init(_params(jnp.bfloat16))
   assert isinstance(state, jmp_lite.LossScaledState)
   assert_dtype(_adam_state(state).nu["w"], jnp.bfloat16)
-  assert not jmp_lite.struct.find_nodes(state, jmp_lite.StateDtypesState)
+  assert not jmp_lite.struct.find_nodes(state,
+                                        low_precision.StateDtypesState)
 
 
 def test_other_levels_have_no_compensation():
@@ -189,7 +192,7 @@ def test_o3_on_a_flax_model_still_compensates_where_xla_deletes_casts(
       p, s = fn(p, s)
     moved[name] = sum(int((a != b).sum()) for a, b in zip(
         jax.tree.leaves(p), jax.tree.leaves(params), strict=True))
-    for kahan in jmp_lite.struct.find_nodes(s, jmp_lite.KahanState):
+    for kahan in jmp_lite.struct.find_nodes(s, low_precision.KahanState):
       assert any(np.asarray(c).any() for c in
                  jax.tree.leaves(kahan.compensation)), name
   # Updates of 1e-4 are below half an ulp for most params: only a working

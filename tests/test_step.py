@@ -813,17 +813,6 @@ def _docs_blocks():
   return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-def test_docs_train_step_page_runs():
-  blocks = _docs_blocks()
-  assert len(blocks) >= 6
-  namespace: dict = {}
-  for i, block in enumerate(blocks):
-    exec(compile(block, f"docs/train_step.md[python block {i}]", "exec"),
-         namespace)
-  assert int(jmp_lite.loss_scaled_state(namespace["opt_state"]).total_skips
-             ) == 1
-
-
 def test_docs_float32_to_loss_scaled_is_two_lines():
   import difflib
 

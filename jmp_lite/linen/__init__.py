@@ -35,7 +35,7 @@ interceptor made for that one ``init``/``apply``
 (``jmp_lite.linen._intercept``); while a Flax layer runs, Flax's per-call
 bound copy of it (never a module you hold) has the policy's
 ``dtype``/``param_dtype`` (the one Flax internal this takes is in
-``jmp_lite.linen._flax_compat``). Params are cast by
+``jmp_lite._flax_compat``). Params are cast by
 ``flax.linen.map_variables``, which needs each module path's class up front:
 the first call with new shapes traces the model abstractly once to learn
 them, and remembers them for later calls (``jmp_lite.linen._cache``).

@@ -17,8 +17,8 @@ from typing import Any, TYPE_CHECKING
 import flax.linen as nn
 import jax
 
+from jmp_lite import _flax_compat as compat
 from jmp_lite import _jaxpr
-from jmp_lite.linen import _flax_compat as compat
 
 if TYPE_CHECKING:
   from jmp_lite.linen import MixedPrecision

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _flax_compat as compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
-from jmp_lite.linen import _flax_compat as compat
 from jmp_lite.policy import Policy
 
 Path = tuple[str, ...]

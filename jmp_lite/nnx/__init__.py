@@ -39,7 +39,7 @@ traces under plain ``jax.jit``/``jax.make_jaxpr``/``jax.eval_shape`` just as
 the bare model does.
 
 How: one call on its copy is ``jmp_lite.nnx._call``; what it assumes of
-``flax.nnx`` beyond the documented API is in ``jmp_lite.nnx._flax_compat``.
+``flax.nnx`` beyond the documented API is in ``jmp_lite._flax_compat``.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from typing import Any, cast
 import jax
 from flax import nnx
 
+from jmp_lite import _flax_compat as _compat
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._nnx_paths import child
 from jmp_lite.nnx import _call
-from jmp_lite.nnx import _flax_compat as _compat
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport
 from jmp_lite.rules import Rule

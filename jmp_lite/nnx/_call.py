@@ -27,11 +27,11 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jmp_lite import _flax_compat as _compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._nnx_paths import child, same_leaves, set_at_path
-from jmp_lite.nnx import _flax_compat as _compat
 
 Path = tuple[str, ...]
 Key = str | int
@@ -172,7 +172,7 @@ class Boundary(nnx.Module):
 
   # The model's code branches on isinstance(self.block, Block) as without
   # the policy. type(...) stays Boundary, which is what nnx dispatches on
-  # (jmp_lite.nnx._flax_compat).
+  # (jmp_lite._flax_compat).
   __class__ = property(_module_class)  # type: ignore[assignment]
 
   def _run(self, name: str, args: tuple, kwargs: dict) -> Any:

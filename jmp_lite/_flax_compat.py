@@ -1,10 +1,31 @@
-"""The three things the linen adapter needs beyond Flax's public API.
+"""What jmp_lite assumes of Flax beyond its public API: the one place.
 
-Everything else in :mod:`jmp_lite.linen` uses ``nn.intercept_methods``,
-``Module.clone``, ``nn.map_variables``, ``nn.share_scope`` and public
-fields. Each function here says which Flax internal it relies on and why no
-public route does the job; ``tests/test_linen_compat.py`` fails when one of
-these internals changes or disappears.
+The linen and nnx adapters use Flax's public API everywhere else
+(``nn.intercept_methods``, ``Module.clone``, ``nn.map_variables``,
+``nn.share_scope``, public fields; ``nnx.split``/``merge``/``update``). Each
+function here says which Flax internal or undocumented behaviour it relies
+on and why no public route does the job; ``tests/test_linen_compat.py`` and
+``tests/test_nnx_compat.py`` fail when one of them changes or disappears.
+
+linen, three internals:
+
+* :func:`wrap_method`: Flax's ``wrap_method_once``, for the policy's own
+  call;
+* :func:`interceptors_active`: Flax's interceptor stack, to skip the trace
+  cache while a user's interceptor is open;
+* :func:`fields_overridden`: a field override on Flax's per-call bound copy
+  of a layer (a bound clone makes Flax record the layer twice).
+
+nnx, two facts about how it stores and dispatches objects:
+
+* an nnx object's attributes, submodules included, are its instance
+  ``__dict__``: the state Flax's own pickling saves and restores, and what
+  its graph functions read, so one built with ``__new__`` and
+  ``__setstate__`` is a working object (:func:`instance_with`) and an
+  attribute rewritten in ``__dict__`` is seen by them (:func:`set_child`);
+* nnx picks how to handle a graph node by ``type(node)``, not by
+  ``node.__class__``, so a stand-in may report its module's class to
+  ``isinstance`` and still be split and merged as itself.
 """
 
 from __future__ import annotations
@@ -16,7 +37,11 @@ from typing import Any
 import flax.linen as nn
 from flax.linen import module as _flax_module
 
-__all__ = ["fields_overridden", "interceptors_active", "wrap_method"]
+__all__ = ["attributes", "fields_overridden", "instance_with",
+           "interceptors_active", "set_child", "wrap_method"]
+
+# ------------------------------------------------------------------ linen
+
 
 
 def wrap_method(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,7 +64,7 @@ def wrap_method(fun: Callable[..., Any]) -> Callable[..., Any]:
 
   Example:
     >>> import flax.linen as nn
-    >>> from jmp_lite.linen import _flax_compat as compat
+    >>> from jmp_lite import _flax_compat as compat
     >>> def twice(module, x):
     ...   return 2 * x
     >>> wrapped = compat.wrap_method(twice)
@@ -61,7 +86,7 @@ def interceptors_active() -> bool:
 
   Example:
     >>> import flax.linen as nn
-    >>> from jmp_lite.linen import _flax_compat as compat
+    >>> from jmp_lite import _flax_compat as compat
     >>> spy = lambda next_fun, args, kwargs, context: next_fun(*args, **kwargs)
     >>> with nn.intercept_methods(spy):
     ...   inside = compat.interceptors_active()
@@ -96,7 +121,7 @@ def fields_overridden(module: nn.Module,
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
-    >>> from jmp_lite.linen import _flax_compat as compat
+    >>> from jmp_lite import _flax_compat as compat
     >>> def in_bf16(next_fun, args, kwargs, context):
     ...   with compat.fields_overridden(context.module,
     ...                                 {"dtype": jnp.bfloat16}):
@@ -119,3 +144,48 @@ def fields_overridden(module: nn.Module,
   finally:
     for k, v in old.items():
       object.__setattr__(module, k, v)
+
+
+# -------------------------------------------------------------------- nnx
+def instance_with(cls: type, attrs: Mapping[str, Any]) -> Any:
+  """An instance of the nnx class ``cls`` holding ``attrs`` (not copies),
+  built as unpickling builds one: ``cls.__init__`` does not run.
+
+  Example:
+    >>> from flax import nnx
+    >>> from jmp_lite._flax_compat import instance_with
+    >>> layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> twin = instance_with(nnx.Linear, vars(layer))
+    >>> type(twin).__name__, twin.kernel is layer.kernel
+    ('Linear', True)
+  """
+  obj = object.__new__(cls)
+  obj.__setstate__(dict(attrs))
+  return obj
+
+
+def attributes(node: Any) -> Iterator[tuple[str, Any]]:
+  """The attributes of an nnx object, submodules and variables included.
+
+  Example:
+    >>> from flax import nnx
+    >>> from jmp_lite._flax_compat import attributes
+    >>> "kernel" in dict(attributes(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))
+    True
+  """
+  yield from list(vars(node).items())
+
+
+def set_child(node: Any, name: str, value: Any) -> None:
+  """Puts ``value`` at attribute ``name`` of the nnx object ``node`` as it
+  is (no nnx bookkeeping: ``name`` keeps its data or static kind).
+
+  Example:
+    >>> from flax import nnx
+    >>> from jmp_lite._flax_compat import set_child
+    >>> seq = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    >>> set_child(seq, "layers", nnx.List([]))
+    >>> len(seq.layers)
+    0
+  """
+  object.__setattr__(node, name, value)
