@@ -19,8 +19,12 @@ import optax
 
 from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_count, check_transformation
-from jmp_lite._skipping import skip_updates
+from jmp_lite._checks import (
+  check_axis_name,
+  check_count,
+  check_transformation,
+)
+from jmp_lite._skipping import reduce_finite, skip_updates
 from jmp_lite._trees import copy_arrays
 from jmp_lite.finite import all_finite, select_tree
 
@@ -82,6 +86,7 @@ def accumulate_gradients(
     every_k: int,
     *,
     dtype: Any = jnp.float32,
+    axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients over ``every_k`` micro-batches, then updates once.
 
@@ -106,6 +111,10 @@ def accumulate_gradients(
     every_k: micro-batches per optimizer step, an int (numpy integers too)
       in ``[1, 2**31 - 1]``.
     dtype: accumulator dtype.
+    axis_name: the mapped axis name under ``shard_map``/``pmap``: every
+      device then agrees that a micro-batch was non-finite as soon as one
+      device's shard was, so all poison the same window (under
+      ``shard_map(check_vma=True)`` a forgotten one is a ``ValueError``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -128,6 +137,7 @@ def accumulate_gradients(
   """
   check_transformation(inner, "accumulate_gradients")
   every_k = check_count(every_k, "every_k")
+  axis_name = check_axis_name(axis_name)
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
 
   def acc_dtype(x: Any) -> Any:
@@ -153,7 +163,10 @@ def accumulate_gradients(
 
   def update(grads: Any, state: AccumulateState, params: Any = None,
              **extra: Any) -> tuple[Any, AccumulateState]:
-    finite = all_finite(grads)
+    # Agreed over axis_name: devices that disagreed about a micro-batch
+    # would close different windows as poisoned.
+    finite = reduce_finite(all_finite(grads), axis_name,
+                           governs=(state.poisoned, state.mini_step))
     poisoned = state.poisoned | ~finite
 
     def add(acc: Any, g: Any) -> Any:

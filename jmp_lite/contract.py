@@ -115,6 +115,10 @@ class Guarding:
     check: raises if a state was not made by this guard as configured (a
       ``TypeError`` for another kind of state, a ``ValueError`` naming both
       configurations); run before anything of the step.
+    governs: the guard's state -> the part of it the decision updates (the
+      loss scale, the skip counters): under ``shard_map`` a decision that
+      varies per device where these do not is a forgotten ``axis_name``,
+      refused with a ``ValueError``.
     decided: ``decided(finite, apply)`` is the guard's ``update`` with the
       decision taken outside it: ``finite`` (a bool scalar, agreed over the
       guard's ``axis_name``) says whether the gradients were finite, and the
@@ -132,6 +136,7 @@ class Guarding:
   decided: Callable[[jax.Array, bool], UpdateFn]
   blocked: Callable[[Any], jax.Array] | None = None
   check: Callable[[Any], None] | None = None
+  governs: Callable[[Any], Any] | None = None
 
 
 Contract = Forwarding | Guarding

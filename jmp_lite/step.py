@@ -291,7 +291,9 @@ def _step(optimizer: optax.GradientTransformation, grads: Any,
     guard_state = wrapper.inner_state(guard_state)
   if guard.check is not None:
     guard.check(guard_state)
-  finite = reduce_finite(all_finite(grads), guard.config.axis_name)
+  finite = reduce_finite(
+      all_finite(grads), guard.config.axis_name,
+      governs=None if guard.governs is None else guard.governs(guard_state))
   apply = finite
   if guard.blocked is not None:
     apply = finite & ~guard.blocked(guard_state)

@@ -229,3 +229,25 @@ def test_no_module_outside_the_jaxpr_package_touches_jax_internals():
     if hits:
       offenders[rel] = hits
   assert not offenders, offenders
+
+
+def test_varying_axes_reads_what_shard_map_tracks():
+  """jmp_lite refuses a forgotten axis_name by reading which mesh axes a
+  value varies over; this fails if JAX renames where it keeps that."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def local(x):
+    finite = jnp.isfinite(x).all()
+    seen["local"] = _jaxpr.varying_axes(finite)
+    seen["agreed"] = _jaxpr.varying_axes(
+        jax.lax.pmin(finite.astype(jnp.int32), "d"))
+    return x
+
+  jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("d"),
+                        out_specs=P("d")))(jnp.ones(4))
+  assert seen == {"local": frozenset({"d"}), "agreed": frozenset()}
+  assert _jaxpr.varying_axes(jnp.ones(2)) == frozenset()
+  assert _jaxpr.varying_axes(3) == frozenset()

@@ -29,4 +29,6 @@ def test_every_device_skips_and_backs_off_together():
       "ok update_and_apply data-parallel donated jit",
       "ok update_and_apply model-sharded master weights",
       "ok update_and_apply shard_map with axis_name",
+      "ok shard_map check_vma: forgotten axis_name raises, given agrees",
+      "ok accumulate_gradients axis_name under shard_map",
   ], proc.stdout + proc.stderr

@@ -530,3 +530,30 @@ def test_states_pickled_before_the_split_load_and_step():
               jmp_lite.low_precision.StochasticRoundingState,
               jmp_lite.low_precision.StateDtypesState):
     assert cls.__module__ == "jmp_lite.low_precision", cls
+
+
+@pytest.mark.parametrize("via", ["update", "update_and_apply"])
+def test_float16_gradients_are_not_unscaled_in_float16(via):
+  """True gradients of 3e-8 and 1e-7 came back 99% and 19% off, silently:
+  unscaling float16 gradients in float16 is refused (as PyTorch's
+  GradScaler does), and master weights unscale them in float32."""
+  scale = 2.0**14
+  true = np.array([3e-8, 1e-7], np.float32)
+  params = jnp.zeros(2, jnp.float16)
+  grads = jnp.asarray(true * scale, jnp.float16)   # what backprop hands on
+
+  def step(opt):
+    state = opt.init(params)
+    if via == "update":
+      return opt.update(grads, state, params)
+    return jmp_lite.update_and_apply(opt, grads, state, params)
+
+  bare = jmp_lite.loss_scaled(optax.sgd(1.0), jmp_lite.StaticLossScale(scale))
+  with pytest.raises(TypeError, match=r"float16.*master_weights"):
+    step(bare)
+  _, state = step(jmp_lite.master_weights(bare))
+  master = np.asarray(jmp_lite.master_params(state))
+  np.testing.assert_allclose(-master, true, rtol=2e-3)
+  # Deliberate pure half precision may still unscale in float16.
+  step(jmp_lite.loss_scaled(optax.sgd(1.0), jmp_lite.StaticLossScale(scale),
+                            allow_half_state=True))

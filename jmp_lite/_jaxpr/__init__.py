@@ -23,7 +23,7 @@ Modules, one concept each:
   plug into.
 """
 
-from jmp_lite._jaxpr.args import is_tracer, split_array_args
+from jmp_lite._jaxpr.args import is_tracer, split_array_args, varying_axes
 from jmp_lite._jaxpr.dots import (
     is_matmul,
     matmul_dims,
@@ -76,5 +76,5 @@ __all__ = [
     "name_stack_of", "new_eqn", "new_var", "operand_dtype_names",
     "primitives_by_name", "rebuilt", "rewrite", "scope_names",
     "source_location", "split_array_args", "sub_context", "trace",
-    "trace_flat", "traced_call", "walk", "with_operands",
+    "trace_flat", "traced_call", "varying_axes", "walk", "with_operands",
 ]

@@ -78,3 +78,36 @@ def is_tracer(x: Any) -> bool:
     (False, [True])
   """
   return isinstance(x, jax_core.Tracer)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The ``shard_map`` mesh axes over which ``x`` may differ per device.
+
+  Read from the value's type under ``shard_map(..., check_vma=True)``
+  (JAX's "varying manual axes"); empty outside ``shard_map``, under
+  ``check_vma=False`` (where JAX does not track it), and for non-arrays.
+  JAX has named the field ``vma`` and ``manual_axis_type.varying``; both
+  are read (``tests/test_jaxpr.py`` fails when neither is found).
+
+  Args:
+    x: any value.
+
+  Returns:
+    The axis names, a frozenset.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._jaxpr import varying_axes
+    >>> varying_axes(jnp.ones(2))
+    frozenset()
+  """
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return frozenset()
+  try:
+    aval = jax.typeof(x)
+  except TypeError:
+    return frozenset()
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(vma or ())

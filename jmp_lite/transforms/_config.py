@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 
+from jmp_lite._checks import check_axis_name as check_axis_name
+
 _SKIP_WITH = ("auto", "cond", "select")
 
 
@@ -76,25 +78,6 @@ def check_skip_with(skip_with: Any) -> str:
   return skip_with
 
 
-def check_axis_name(axis_name: Any) -> Any:
-  """``axis_name`` if it can name a mapped axis, else a ``TypeError``.
-
-  Example:
-    >>> from jmp_lite.transforms._config import check_axis_name
-    >>> check_axis_name(("data", "model"))
-    ('data', 'model')
-  """
-  # A mapped axis is named by a string (or a tuple of them for several mesh
-  # axes); a number or a list is a mistake that would fail only at the
-  # first pmin, deep inside a jitted step.
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if axis_name is not None and not (
-      names and all(isinstance(n, str) for n in names)):
-    raise TypeError(
-        "axis_name must be None, a str or a tuple of str (the mapped axis"
-        " name given to shard_map/pmap), got"
-        f" {type(axis_name).__name__}: {axis_name!r}")
-  return axis_name
 
 
 # The class names jmp_lite.transforms as its module (see __init__), where

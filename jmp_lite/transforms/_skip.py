@@ -213,7 +213,8 @@ def check_config(state: Any, config: GuardConfig, who: str,
 
 
 def guard(init: Any, run: Any, config: GuardConfig, check: Any,
-          blocked: Any = None) -> optax.GradientTransformationExtraArgs:
+          blocked: Any = None, governs: Any = None
+          ) -> optax.GradientTransformationExtraArgs:
   """A guard transformation from its ``run`` (see :class:`Decision`),
   declared to :func:`jmp_lite.update_and_apply` (:mod:`jmp_lite.contract`).
   """
@@ -229,7 +230,8 @@ def guard(init: Any, run: Any, config: GuardConfig, check: Any,
 
   return _optax.transformation(init, contract.declare(
       update, contract.Guarding(config=config, decided=decided,
-                                blocked=blocked, check=check)))
+                                blocked=blocked, check=check,
+                                governs=governs)))
 
 
 def check_own_state(state: Any, cls: type, who: str) -> None:

@@ -173,6 +173,11 @@ def skip_nonfinite(
   def blocked(state: Any) -> jax.Array:
     return jnp.asarray(state.halted, jnp.bool_)
 
+  def governs(state: SkipNonfiniteState) -> Any:
+    # What the decision updates: a decision varying per device where these
+    # do not is a forgotten axis_name (jmp_lite._skipping.reduce_finite).
+    return (state.total_skips, state.consecutive_skips, state.halted)
+
   def run(updates: Any, state: SkipNonfiniteState, params: Any,
           extra: dict[str, Any], decision: Decision | None
           ) -> tuple[Any, SkipNonfiniteState]:
@@ -182,7 +187,8 @@ def skip_nonfinite(
       new_updates, new_inner, apply = decided_update(
           inner, updates, state.inner_state, params, decision, extra)
     else:
-      finite = reduce_finite(all_finite(updates), axis_name)
+      finite = reduce_finite(all_finite(updates), axis_name,
+                             governs=governs(state))
       apply = finite & ~jnp.asarray(state.halted, jnp.bool_)
       new_updates, new_inner, _ = guarded_update(
           inner, updates, state.inner_state, params, apply, extra,
@@ -201,7 +207,7 @@ def skip_nonfinite(
         max_consecutive_skips=max_consecutive_skips,
     )
 
-  return guard(init, run, config, check, blocked=blocked)
+  return guard(init, run, config, check, blocked=blocked, governs=governs)
 
 
 # The class names jmp_lite.transforms as its module (see __init__), where

@@ -255,6 +255,68 @@ def check_skip_nonfinite_pmap():
   print("ok pmap skip_nonfinite with axis_name")
 
 
+def _fsdp_step(opt, via):
+  """A shard_map step over 8 devices, check_vma on: each device holds a
+  slice of the params and its gradients (FSDP-style); the optimizer state
+  (loss scale, counters) is replicated. Device 3's gradients hold an inf."""
+  mesh = jax.make_mesh((8,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  params = {"w": jnp.ones((16, 4))}
+  state = opt.init(params)
+  state_specs = jax.tree.map(lambda x: P("data") if jnp.ndim(x) else P(),
+                             state)
+
+  def local(params, state):
+    bad = jax.lax.axis_index("data") == 3
+    grads = jax.tree.map(lambda p: jnp.where(bad, jnp.inf, 8.0 * p), params)
+    if via == "update":
+      updates, state = opt.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    return jmp_lite.update_and_apply(opt, grads, state, params)
+
+  step = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P("data"), state_specs),
+      out_specs=(P("data"), state_specs)))
+  return step(params, state), params
+
+
+def check_forgotten_axis_name_is_an_error():
+  """Without axis_name device 3 backed off alone (its copy of the scale
+  halved, the others' not) and lax.cond typed the result replicated, so
+  check_vma did not catch it: now a ValueError naming axis_name=."""
+  for via in ("update_and_apply", "update"):
+    try:
+      _fsdp_step(make_opt(), via)
+    except ValueError as e:
+      assert "axis_name='data'" in str(e), e
+    else:
+      raise AssertionError(f"{via}: a forgotten axis_name was accepted")
+    (new, state), params = _fsdp_step(make_opt("data"), via)
+    chex.assert_trees_all_equal(jax.device_get(new), params)
+    assert float(state.loss_scale.loss_scale) == 2.0**9
+    assert int(state.total_skips) == 1
+  print("ok shard_map check_vma: forgotten axis_name raises, given agrees")
+
+
+def check_accumulate_gradients_agree_under_shard_map():
+  """accumulate_gradients took no axis_name: devices could disagree about a
+  bad micro-batch. With it, device 3's inf poisons every device's window."""
+  def acc(axis_name):
+    return jmp_lite.accumulate_gradients(make_opt("data"), every_k=2,
+                                         axis_name=axis_name)
+
+  try:
+    _fsdp_step(acc(None), "update_and_apply")
+  except ValueError as e:
+    assert "axis_name='data'" in str(e), e
+  else:
+    raise AssertionError("accumulate_gradients without axis_name accepted")
+  (new, state), params = _fsdp_step(acc("data"), "update_and_apply")
+  chex.assert_trees_all_equal(jax.device_get(new), params)
+  assert bool(state.poisoned) and int(state.mini_step) == 1
+  print("ok accumulate_gradients axis_name under shard_map")
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   check_data_parallel()
@@ -265,3 +327,5 @@ if __name__ == "__main__":
   check_update_and_apply_data_parallel()
   check_update_and_apply_model_sharded()
   check_update_and_apply_shard_map()
+  check_forgotten_axis_name_is_an_error()
+  check_accumulate_gradients_agree_under_shard_map()
