@@ -160,3 +160,21 @@ def check_axis_name(axis_name: Any) -> Any:
         " name given to shard_map/pmap), got"
         f" {type(axis_name).__name__}: {axis_name!r}")
   return axis_name
+
+
+def check_own_state(state: Any, cls: type, who: str) -> None:
+  """Raises a ``TypeError`` unless ``state`` is a ``cls``, the wrapper's own.
+
+  Example:
+    >>> from jmp_lite._checks import check_own_state
+    >>> check_own_state((), tuple, "master_weights")
+  """
+  # The usual way here: loss_scaled(...) added to a script that kept the
+  # opt_state (or TrainState) the bare optimizer made.
+  if not isinstance(state, cls):
+    raise TypeError(
+        f"{who}(...).update got a {type(state).__name__} as its state, not"
+        f" the {cls.__name__} its init makes: pass the state that"
+        f" {who}(...).init(params) returned (after wrapping an optimizer,"
+        " create its opt_state, or TrainState, again; a checkpoint restored"
+        " as plain dicts needs the state from init as its restore target)")

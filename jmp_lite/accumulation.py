@@ -22,6 +22,7 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import (
   check_axis_name,
   check_count,
+  check_own_state,
   check_transformation,
 )
 from jmp_lite._skipping import reduce_finite, skip_updates
@@ -163,6 +164,7 @@ def accumulate_gradients(
 
   def update(grads: Any, state: AccumulateState, params: Any = None,
              **extra: Any) -> tuple[Any, AccumulateState]:
+    check_own_state(state, AccumulateState, "accumulate_gradients")
     # Agreed over axis_name: devices that disagreed about a micro-batch
     # would close different windows as poisoned.
     finite = reduce_finite(all_finite(grads), axis_name,

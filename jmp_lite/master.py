@@ -17,7 +17,7 @@ import optax
 
 from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_transformation
+from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite._trees import copy_arrays
 
 __all__ = ["MasterWeightsState", "master_params", "master_weights"]
@@ -155,6 +155,7 @@ def master_weights(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(grads: Any, state: MasterWeightsState, params: Any = None,
                **extra: Any) -> tuple[Any, MasterWeightsState]:
+      check_own_state(state, MasterWeightsState, "master_weights")
       if params is None:
         raise ValueError(
             "master_weights needs the current params: call"

@@ -227,3 +227,40 @@ def test_python_float_in_a_policy_is_jax_default_float():
     assert jmp_lite.Policy(float, float, float).param_dtype == np.float64
   # Asked for by name, float64 stays float64 (numpy leaves keep it).
   assert jmp_lite.get_policy("f64").compute_dtype == np.float64
+
+
+@pytest.mark.parametrize("wrapper", [
+    "master_weights", "accumulate_gradients", "stochastic_rounding",
+    "state_dtypes", "loss_scaled", "skip_nonfinite"])
+def test_a_state_another_optimizer_made_names_the_fix(wrapper):
+  """'LossScaledState' object has no attribute 'master' / 'poisoned': a
+  wrapper handed another optimizer's state (a script that added the wrapper
+  and kept its opt_state) says what it got and what to do."""
+  opt = {
+      "master_weights": lambda: jmp_lite.master_weights(SGD),
+      "accumulate_gradients": lambda: jmp_lite.accumulate_gradients(SGD, 2),
+      "stochastic_rounding": lambda: jmp_lite.stochastic_rounding(SGD),
+      "state_dtypes": lambda: jmp_lite.state_dtypes(SGD, "bf16"),
+      "loss_scaled": lambda: LS,
+      "skip_nonfinite": lambda: jmp_lite.skip_nonfinite(SGD),
+  }[wrapper]()
+  other = (jmp_lite.skip_nonfinite(SGD) if wrapper != "skip_nonfinite"
+           else LS).init(P)
+  with pytest.raises(TypeError, match=rf"{wrapper}\(\.\.\.\)\.update got a"
+                     r" \w+ as its state.*init\(params\)"):
+    opt.update(P, other, P)
+
+
+def test_integer_leaves_are_neither_scaled_nor_unscaled():
+  """A documented decision: integer, bool and float0 leaves are no
+  gradients of the scaled loss; they pass both ways unchanged."""
+  scale = jmp_lite.StaticLossScale(8.0)
+  tree = {"i": jnp.arange(3), "b": jnp.array([True]), "f": jnp.ones(2),
+          "z": np.zeros((2,), jax.dtypes.float0)}
+  scaled = scale.scale(tree)
+  assert scaled["i"] is tree["i"] and scaled["b"] is tree["b"]
+  assert scaled["z"] is tree["z"]
+  np.testing.assert_array_equal(scaled["f"], 8.0)
+  back = scale.unscale(scaled)
+  assert back["i"] is tree["i"]
+  np.testing.assert_array_equal(back["f"], 1.0)

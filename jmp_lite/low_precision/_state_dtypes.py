@@ -14,7 +14,11 @@ import optax
 
 from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_bool, check_transformation
+from jmp_lite._checks import (
+  check_bool,
+  check_own_state,
+  check_transformation,
+)
 from jmp_lite.diagnostics import PrecisionWarning
 from jmp_lite.low_precision._common import (
   F32,
@@ -202,6 +206,7 @@ def state_dtypes(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: StateDtypesState, params: Any = None,
                **extra: Any) -> tuple[Any, StateDtypesState]:
+      check_own_state(state, StateDtypesState, "state_dtypes")
       stored, treedef = jax.tree.flatten(state.inner_state)
       new_updates, new_inner = inner_update(
           upcast(updates), treedef.unflatten([

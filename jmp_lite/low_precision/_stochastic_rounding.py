@@ -10,7 +10,7 @@ import optax
 
 from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_transformation
+from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite.low_precision._common import (
   forwarding,
   is_narrow,
@@ -118,6 +118,7 @@ def stochastic_rounding(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: StochasticRoundingState, params: Any = None,
                **extra: Any) -> tuple[Any, StochasticRoundingState]:
+      check_own_state(state, StochasticRoundingState, "stochastic_rounding")
       need_params(params, "stochastic_rounding")
       inner_updates, inner_state = inner_update(
           updates, state.inner_state, params, **extra)

@@ -11,7 +11,7 @@ import optax
 
 from jmp_lite import _jaxpr, contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_bool, check_transformation
+from jmp_lite._checks import check_bool, check_own_state, check_transformation
 from jmp_lite._nonfinite import nonfinite_counts
 from jmp_lite._skipping import reduce_finite
 from jmp_lite._trees import copy_arrays, half_precision_leaves
@@ -30,7 +30,6 @@ from jmp_lite.transforms._config import (
 )
 from jmp_lite.transforms._skip import (
   check_config,
-  check_own_state,
   count_skips,
   decided_update,
   Decision,

@@ -232,16 +232,3 @@ def guard(init: Any, run: Any, config: GuardConfig, check: Any,
       update, contract.Guarding(config=config, decided=decided,
                                 blocked=blocked, check=check,
                                 governs=governs)))
-
-
-def check_own_state(state: Any, cls: type, who: str) -> None:
-  """Raises a ``TypeError`` unless ``state`` is a ``cls``, the guard's own."""
-  # The usual way here: loss_scaled(...) added to a script that kept the
-  # opt_state (or TrainState) the bare optimizer made.
-  if not isinstance(state, cls):
-    raise TypeError(
-        f"{who}(...).update got a {type(state).__name__} as its state, not"
-        f" the {cls.__name__} its init makes: pass the state that"
-        f" {who}(...).init(params) returned (after wrapping an optimizer,"
-        " create its opt_state, or TrainState, again; a checkpoint restored"
-        " as plain dicts needs the state from init as its restore target)")

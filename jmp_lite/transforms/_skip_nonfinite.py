@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import contract, struct
-from jmp_lite._checks import check_count, check_transformation
+from jmp_lite._checks import check_count, check_own_state, check_transformation
 from jmp_lite._skipping import reduce_finite
 from jmp_lite.finite import all_finite
 from jmp_lite.transforms._config import (
@@ -19,7 +19,6 @@ from jmp_lite.transforms._config import (
 )
 from jmp_lite.transforms._skip import (
   check_config,
-  check_own_state,
   count_skips,
   decided_update,
   Decision,
