@@ -95,7 +95,7 @@ nitpick_ignore_regex = [
                r"|collections|types|enum|functools|contextlib|warnings"
                r"|numbers|re|builtins|abc|os|pathlib|argparse)(\..*)?"),
     # Private names and type variables in signatures: internal by definition.
-    (r"py:.*", r"jmp_lite(\.\w+)*\._\w+"),
+    (r"py:.*", r"jmp_lite(\.\w+)*\._\w+(\.\w+)*"),
     (r"py:.*", r"(jmp_lite(\.\w+)*\.)?_?[A-Z]"),
     # Builtins and typing names that annotations render bare.
     (r"py:.*", r"(Any|Callable|Sequence|Mapping|Iterable|Iterator|Hashable"
@@ -123,6 +123,7 @@ GUIDE = [
     "autocast",
     "low_precision",
     "fp8",
+    "distributed",
     "diagnostics",
     "migration",
     "benchmarks",
@@ -172,6 +173,7 @@ API_MODULES = [
     "jmp_lite.dtypes",
     "jmp_lite.path_rules",
     "jmp_lite.struct",
+    "jmp_lite.distributed",
 ]
 # Modules documented on the top-level page, section titles in this order. A
 # module that defines a top-level name but is not named here gets its

@@ -3,12 +3,12 @@
 :func:`jmp_lite.update_and_apply` can compile a loss-scaled step as one
 ``lax.cond`` around "unscale, inner update, apply", deciding the skip from
 the gradients it was handed. That is only right when every transformation
-between the optimizer it was given and the guard (:func:`~jmp_lite.
-loss_scaled`, :func:`~jmp_lite.skip_nonfinite`) hands the guard those very
-gradients, finite exactly when they were. Nothing about that can be read off
-an optimizer *state*: a user's wrapper whose state is its inner state looks
-like no wrapper at all. So the decision is taken from what the transformation
-*objects* declare here, and from nothing else:
+between the optimizer it was given and the guard
+(:func:`~jmp_lite.loss_scaled`, :func:`~jmp_lite.skip_nonfinite`) hands the
+guard those very gradients, finite exactly when they were. Nothing about
+that can be read off an optimizer *state*: a user's wrapper whose state is
+its inner state looks like no wrapper at all. So the decision is taken from
+what the transformation *objects* declare here, and from nothing else:
 
 * :class:`Guarding`: the transformation decides skips itself and can run
   with the decision taken outside it (the guards).
