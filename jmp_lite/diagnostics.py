@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
@@ -52,10 +53,14 @@ class PrecisionWarning(UserWarning):
 
 
 def tree_bytes(tree: Any) -> int:
-  """Bytes held by the array leaves of ``tree`` (no device access).
+  """Global (logical) bytes of the array leaves of ``tree`` (no device access).
 
-  An array object that appears twice (tied weights) is counted once; typed
-  PRNG keys count their key data.
+  The size of each array as a whole, wherever it lives: a sharded array
+  counts once, however many devices hold its pieces, and a replicated one
+  counts once, not once per device. For what each device holds, use
+  :func:`jmp_lite.distributed.device_bytes`. An array object that appears
+  twice (tied weights) is counted once; typed PRNG keys count their key
+  data.
 
   Args:
     tree: any pytree (params, an optimizer state, a ``jax.vjp`` closure),
@@ -280,6 +285,19 @@ def _check_finite(site: _jaxpr.Site, invals: Sequence[Any],
         within=site.within, scope=site.scope))
 
 
+def _is_process_local(x: Any) -> bool:
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _process_local(x: Any) -> Any:
+  """A global array spread over processes, gathered on this one (numpy)."""
+  if _is_process_local(x):
+    return x
+  # A collective: every process calls find_nonfinite with the same inputs,
+  # as it calls the step.
+  return multihost_utils.process_allgather(x, tiled=True)
+
+
 def find_nonfinite(fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> NonfiniteOrigin | None:
   """Runs ``fn`` primitive by primitive; names the first to produce inf/NaN.
@@ -289,6 +307,12 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   ``jit`` and ``custom_jvp``/``custom_vjp`` functions are entered; control
   flow (``scan``, ``while``, ``cond``) is reported as a whole. Runs eagerly
   (a host sync per primitive): a debugging tool, not for a training loop.
+
+  Under ``jax.distributed.initialize()``, arguments that are global arrays
+  sharded over several processes are first gathered whole onto every process
+  (``multihost_utils.process_allgather``, a collective): call it on every
+  process with the same inputs, as you call the step; each process then
+  finds the same origin. Its host must hold the gathered arrays.
 
   Args:
     fn: the function (e.g. a loss, or ``jax.grad`` of one).
@@ -302,6 +326,8 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
   Raises:
     TypeError: if ``fn`` is not callable, or for traced arguments (called
       under ``jit``): it needs concrete values.
+    ValueError: if ``fn`` closes over an array sharded across processes
+      (pass it as an argument).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -320,6 +346,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
         "find_nonfinite runs fn eagerly, primitive by primitive, on concrete"
         " values; it got traced arguments (it was called under jit, grad or"
         " vmap). Call it outside the jitted step, on the same inputs")
+  arrays = [_process_local(a) for a in arrays]
 
   def flat(*xs):
     a, k = rebuild(xs)
@@ -332,6 +359,14 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
         "find_nonfinite runs fn eagerly, primitive by primitive, on concrete"
         " values; fn closes over traced values (it was called under jit,"
         " grad or vmap). Call it outside the jitted step, on the same inputs")
+  if any(not _is_process_local(c)
+         for c in _jaxpr.jaxpr_and_consts(closed)[1]):
+    raise ValueError(
+        "find_nonfinite: fn closes over an array sharded across processes"
+        " (jax.distributed), which this process cannot read. Pass it as an"
+        " argument instead (find_nonfinite gathers arguments on every"
+        " process), or close over its process-local value:"
+        " jax.experimental.multihost_utils.process_allgather(x, tiled=True)")
   try:
     _jaxpr.interpret(closed, arrays, _check_finite)
   except _Found as found:

@@ -146,8 +146,17 @@ def _quickstart_page(namespace: dict) -> None:
 
 # What some pages' examples must leave behind, beyond running: (the fewest
 # python blocks the page has, a check of the namespace they leave).
+def _distributed_page(namespace: dict) -> None:
+  import jmp_lite
+  # The overflowing shard was skipped, and the state restored and resumed.
+  state = jmp_lite.loss_scaled_state(namespace["opt_state"])
+  assert int(state.total_skips) == 1
+  assert namespace["e_loss"].dtype == namespace["jnp"].float32
+
+
 PAGE_CHECKS = {
     "train_step": (6, _train_step_page),
+    "distributed": (9, _distributed_page),
     "low_precision": (3, None),
     "quickstart": (5, _quickstart_page),
 }
