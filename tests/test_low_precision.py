@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import pickle
 import re
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import chex
 import jax
@@ -159,6 +161,205 @@ def test_kahan_residual_unscales_float16_buffers_only():
   np.testing.assert_allclose(
       np.asarray(state.compensation["h"].astype(jnp.float32)),
       -1e-4 * 2.0**11, rtol=1e-2)
+
+
+# A Kahan state restored under another dtype. Each float16 buffer holds its
+# error times 2**11; read by a bfloat16 run as the error itself, it moved
+# params by up to 124 bfloat16 ulps in one step (issue 29, item 2).
+
+F16, BF16 = jnp.float16, jnp.bfloat16
+_DTYPE_CHANGES = {   # leaf -> (dtype saved, dtype restored)
+    "same": {"a": (F16, F16), "b": (BF16, BF16)},
+    "swap": {"a": (F16, BF16), "b": (BF16, F16)},
+    "to_bf16": {"a": (F16, BF16), "b": (BF16, BF16)},
+    "to_f16": {"a": (F16, F16), "b": (BF16, F16)},
+}
+
+
+def _restore_problem(change: str) -> Any:
+  rng = np.random.default_rng(7)
+  dtypes = _DTYPE_CHANGES[change]
+  values = {k: rng.uniform(0.5, 2.0, 64) for k in dtypes}
+  saved = {k: jnp.asarray(values[k], d[0]) for k, d in dtypes.items()}
+  saved["f"] = jnp.asarray(values["a"], jnp.float32)
+  # float32 updates of 1/32 to 1/4 of a bfloat16 ulp at 1.0 (1/4 to 2
+  # float16 ulps): a wrongly scaled residual would dwarf them.
+  grads = [{k: jnp.asarray(rng.uniform(0.25, 2.0, 64), jnp.float32)
+            for k in saved} for _ in range(8)]
+  return saved, grads
+
+
+def _cast_params(params: Any, change: str) -> Any:
+  return {k: p.astype(_DTYPE_CHANGES[change][k][1]) if k in
+          _DTYPE_CHANGES[change] else p for k, p in params.items()}
+
+
+def _restore(how: str, saved: Any, target: Any, tmp_path: Any) -> Any:
+  """``saved`` (params, state) brought back in ``target``'s dtypes."""
+  import orbax.checkpoint as ocp
+  if how == "orbax":
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(tmp_path / "ckpt", saved)
+      ckptr.wait_until_finished()
+      return ckptr.restore(tmp_path / "ckpt", target)
+  loaded = pickle.loads(pickle.dumps(jax.device_get(saved)))
+  if how == "pickle_cast":   # What orbax does: each leaf to its target's.
+    return jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), loaded, target)
+  # "cast_every_float": every float leaf of a changed param's dtype is cast,
+  # the float32 scales included (to the params' new dtype: exact, powers of
+  # two).
+  assert how == "cast_every_float"
+  params, state = loaded
+  new = {k: t.dtype for k, t in target[0].items()}
+  cast = lambda tree: {k: None if x is None else jnp.asarray(x, new[k])
+                       for k, x in tree.items()}
+  return cast(params), jmp_lite.struct.replace(
+      state, compensation=cast(state.compensation),
+      compensation_scale=cast(state.compensation_scale))
+
+
+@pytest.mark.parametrize("how", ["orbax", "pickle_cast", "cast_every_float"])
+@pytest.mark.parametrize("change", list(_DTYPE_CHANGES))
+def test_kahan_state_restored_under_another_dtype_continues_correctly(
+    change, how, tmp_path):
+  """A state knows what its buffers hold (compensation_scale, a value): a
+  float16 run's state restored into bfloat16 params (and back) continues as
+  a run in the new dtype from the same residual, which a state rebuilt from
+  ``residual()`` by hand shows."""
+  opt = jmp_lite.kahan_summation(optax.sgd(2.0**-12))
+  params, grads = _restore_problem(change)
+
+  @jax.jit
+  def step(p: Any, s: Any, g: Any) -> Any:
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def run(p: Any, s: Any, lo: int, hi: int) -> Any:
+    for g in grads[lo:hi]:
+      p, s = step(p, s, g)
+    return p, s
+
+  saved = run(params, opt.init(params), 0, 5)
+  new_params = _cast_params(params, change)
+  p, state = _restore(how, saved, (new_params, opt.init(new_params)),
+                      tmp_path)
+  chex.assert_trees_all_equal_dtypes(p, new_params)
+  # residual() reads each buffer with the scale it was written with: the
+  # saved residual, rounded to the new dtype.
+  assert state.residual()["f"] is None
+  for k in ("a", "b"):
+    chex.assert_trees_all_equal(state.residual()[k], saved[1].residual()[
+        k].astype(p[k].dtype).astype(jnp.float32))
+
+  # By hand: the residual in float32, stored as the new dtype's run would.
+  fresh: Any = opt.init(p)
+  by_hand = jmp_lite.struct.replace(
+      fresh, inner_state=state.inner_state,
+      compensation=jax.tree.map(
+          lambda c, r: (r * (2.0**11 if c.dtype == F16 else 1.0)
+                        ).astype(c.dtype),
+          fresh.compensation, saved[1].residual()))
+  stepped, _ = step(p, state, grads[5])
+  ulp = {k: _ulp(p[k].astype(jnp.float32), p[k].dtype) for k in ("a", "b")}
+  for k in ("a", "b"):
+    # The update plus the residual carried, rounded: never tens of ulps (a
+    # bfloat16 run's residual is up to 4 float16 ulps).
+    moved = jnp.abs(stepped[k].astype(jnp.float32) - p[k].astype(jnp.float32))
+    bound = jnp.abs(-2.0**-12 * grads[5][k] + saved[1].residual()[k])
+    assert float(jnp.max((moved - bound) / ulp[k])) <= 0.5, k
+
+  got, want = run(p, state, 5, 8), run(p, by_hand, 5, 8)
+  chex.assert_trees_all_equal(got[0], want[0])
+  chex.assert_trees_all_equal(got[1].residual(), want[1].residual())
+  chex.assert_trees_all_equal_dtypes(got[1], state)   # Dtypes kept.
+  if change == "same":   # As if never saved.
+    chex.assert_trees_all_equal(got[0], run(saved[0], saved[1], 5, 8)[0])
+  # And p + residual follows float32 within one ulp of the new dtype.
+  exact = {k: params[k].astype(jnp.float32)
+           - 2.0**-12 * sum(g[k] for g in grads) for k in ("a", "b")}
+  for k in ("a", "b"):
+    carried = got[0][k].astype(jnp.float32) + got[1].residual()[k]
+    assert float(jnp.max(jnp.abs(carried - exact[k]) / ulp[k])) <= 1.0
+
+
+# pickle.dumps(jax.device_get(state), protocol=4) at commit 10db000, before
+# KahanState had compensation_scale, of kahan_summation(optax.sgd(2**-14))
+# after one step of ones on {"h": ones(2, float16), "f": ones(1)}: buffers
+# of -2**-14 * 2**11 = -0.125.
+_PICKLED_WITHOUT_SCALES = base64.b64decode("""
+gASVEgEAAAAAAACMFmptcF9saXRlLmxvd19wcmVjaXNpb26UjApLYWhhblN0YXRllJOUKY
+GUfZQojAxjb21wZW5zYXRpb26UfZQojAFmlE6MAWiUjBZudW1weS5fY29yZS5tdWx0aWFy
+cmF5lIwMX3JlY29uc3RydWN0lJOUjAVudW1weZSMB25kYXJyYXmUk5RLAIWUQwFilIeUUp
+QoSwFLAoWUaAyMBWR0eXBllJOUjAJmMpSJiIeUUpQoSwOMATyUTk5OSv////9K/////0sA
+dJRiiUMEALAAsJR0lGJ1jAtpbm5lcl9zdGF0ZZSMD29wdGF4Ll9zcmMuYmFzZZSMCkVtcH
+R5U3RhdGWUk5QpgZRoICmBlIaUdWIu""")
+
+
+def test_kahan_state_pickled_before_compensation_scale_loads_and_converts():
+  """An old pickle keeps its buffers' dtypes, so loading it fills in the
+  scales they were written with; cast to bfloat16 afterwards, it still
+  continues correctly."""
+  opt = jmp_lite.kahan_summation(optax.sgd(2.0**-14))
+  params = {"h": jnp.ones(2, F16), "f": jnp.ones(1)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  old: Any = pickle.loads(_PICKLED_WITHOUT_SCALES)
+  assert old.compensation["h"].dtype == F16
+  assert float(old.compensation_scale["h"]) == 2.0**11
+  assert old.compensation_scale["f"] is None
+  _, new = opt.update(grads, opt.init(params), params)
+  chex.assert_trees_all_equal(old, jax.device_get(new))
+  chex.assert_trees_all_equal(opt.update(grads, old, params),
+                              opt.update(grads, new, params))
+  # Cast by hand to bfloat16 after loading: read as 2**-14, not 2**-3.
+  bf = jmp_lite.struct.replace(
+      old, compensation={"h": old.compensation["h"].astype(BF16), "f": None})
+  np.testing.assert_array_equal(np.asarray(bf.residual()["h"]), -(2.0**-14))
+  p = {"h": jnp.ones(2, BF16), "f": jnp.ones(1)}
+  stepped: Any = opt.update(grads, bf, p)
+  u, bf = stepped
+  np.testing.assert_array_equal(np.asarray(u["h"]), 0.0)   # 2 * 2**-14 < ulp/2
+  np.testing.assert_array_equal(np.asarray(bf.residual()["h"]), -(2.0**-13))
+  assert float(bf.compensation_scale["h"]) == 1.0
+
+
+@pytest.mark.parametrize("guard", ["none", "outside"])
+def test_kahan_state_without_scales_runs_as_its_dtypes_say(guard):
+  """A state whose compensation_scale is None (an orbax checkpoint saved
+  before the field, restored into such a target; one built by hand) reads
+  each buffer with its dtype's scale, keeps its structure (a guard outside
+  keeps the old state on a skip, so it must), and takes init's scales to
+  become a state that knows them."""
+  kahan = jmp_lite.kahan_summation(optax.sgd(1e-3))
+  opt = (kahan if guard == "none" else
+         jmp_lite.loss_scaled(kahan, jmp_lite.NoOpLossScale()))
+  params = {"h": jnp.full(8, 0.75, F16), "b": jnp.full(8, 0.75, BF16),
+            "f": jnp.ones(8)}
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.3, jnp.float32), params)
+
+  @jax.jit
+  def step(p: Any, s: Any) -> Any:
+    u, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, u), s
+
+  def kahan_state(s: Any) -> Any:
+    return s if guard == "none" else s.inner_state
+
+  def without_scales(s: Any) -> Any:
+    k = jmp_lite.struct.replace(kahan_state(s), compensation_scale=None)
+    return k if guard == "none" else jmp_lite.struct.replace(
+        s, inner_state=k)
+
+  p_new, s_new = step(*step(params, opt.init(params)))
+  p_old, s_old = step(*step(params, without_scales(opt.init(params))))
+  assert kahan_state(s_old).compensation_scale is None
+  chex.assert_trees_all_equal(p_old, p_new)
+  chex.assert_trees_all_equal(without_scales(s_old), without_scales(s_new))
+  chex.assert_trees_all_equal(kahan_state(s_old).residual(),
+                              kahan_state(s_new).residual())
+  upgraded = jmp_lite.struct.replace(
+      kahan_state(s_old),
+      compensation_scale=kahan.init(params).compensation_scale)
+  chex.assert_trees_all_equal(upgraded, kahan_state(s_new))
 
 
 def test_float32_leaves_pass_through_without_buffer():

@@ -35,17 +35,28 @@ class KahanState:
       ``2**11``, which keeps it out of float16's subnormal range;
       :meth:`residual` gives the error itself.
     inner_state: the wrapped optimizer's state.
+    compensation_scale: per compensated leaf, a float32 scalar: what its
+      buffer holds the error times (``2**11`` for float16, ``1`` otherwise).
+      It is a value, not read off the buffer's dtype, so a state restored
+      under another dtype (a float16 run's checkpoint into bfloat16 params)
+      still reads its buffers right; the next step rewrites each buffer with
+      its own dtype's scale. ``None`` in states made before the field
+      existed: their buffers hold what their dtype says.
   """
 
   compensation: Any
   inner_state: Any
+  # Last and defaulted: KahanState(compensation, inner_state) still builds,
+  # and an orbax checkpoint saved without the field restores into a target
+  # that has None here.
+  compensation_scale: Any = None
 
   def residual(self) -> Any:
     """The rounding error carried for each param leaf, in float32.
 
     ``params + state.residual()`` is what the params would be without
     rounding (to about one ulp of a float32 run); the stored buffers are
-    scaled for float16 (see ``compensation``).
+    scaled for float16 (see ``compensation`` and ``compensation_scale``).
 
     Returns:
       A tree like ``compensation`` with float32 leaves (``None`` kept).
@@ -59,10 +70,39 @@ class KahanState:
       Array([-1., -1.], dtype=float32)
       >>> state.compensation   # What is stored: 2**-14 times 2**11.
       Array([-0.125, -0.125], dtype=float16)
+      >>> state.compensation_scale
+      Array(2048., dtype=float32)
     """
     return jax.tree.map(
-        lambda c: c.astype(F32) / _compensation_scale(c.dtype),
-        self.compensation)
+        lambda c, k: _read(c, k, F32), self.compensation,
+        _scales_like(self.compensation, self.compensation_scale),
+        is_leaf=lambda x: x is None)
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    """Unpickles, giving a state pickled before ``compensation_scale``
+    existed the scales its buffers were written with.
+
+    A pickle keeps each buffer's dtype, and that dtype's scale is what the
+    old code wrote it with: read now, it is right; after a later cast to
+    another dtype, it would not be.
+
+    Args:
+      state: the pickled instance's attributes.
+
+    Example:
+      >>> import pickle, jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.kahan_summation(optax.sgd(0.1))
+      >>> state = opt.init(jnp.ones(2, jnp.float16))
+      >>> pickle.loads(pickle.dumps(state)).compensation_scale
+      Array(2048., dtype=float32)
+    """
+    state = dict(state)
+    if state.get("compensation_scale") is None:
+      state["compensation_scale"] = jax.tree.map(
+          lambda c: np.asarray(_compensation_scale(c.dtype), F32),
+          state["compensation"])
+    for name, value in state.items():
+      object.__setattr__(self, name, value)
 
 
 # What float16 compensation buffers hold the error times. The error is at
@@ -86,6 +126,26 @@ def _compensation_scale(dtype: Any) -> float:
           else 1.0)
 
 
+def _scales_like(compensation: Any, scales: Any) -> Any:
+  # A state from before compensation_scale existed has None there: a tree
+  # of Nones that maps like its compensation.
+  if scales is None:
+    return jax.tree.map(lambda _: None, compensation)
+  return scales
+
+
+def _read(c: Any, k: Any, wide: Any) -> Any:
+  """The error buffer ``c`` holds, in ``wide``: ``c / k``, where ``k`` is
+  the scale it was written with (its dtype's when ``k`` is ``None``)."""
+  if c is None:
+    return None
+  if k is None:
+    return c.astype(wide) / _compensation_scale(c.dtype)
+  # A power of two: its reciprocal, and multiplying by it, are exact (one
+  # scalar divide, not one per element).
+  return c.astype(wide) * (1 / k.astype(wide))
+
+
 def kahan_summation(
     inner: optax.GradientTransformation,
 ) -> optax.GradientTransformationExtraArgs:
@@ -96,6 +156,9 @@ def kahan_summation(
   mantissa bits cannot carry the residual, and it would stop growing long
   before it reached the param's half ulp; float16 buffers hold it times
   ``2**11``, clear of float16's subnormals: :meth:`KahanState.residual`).
+  The state records that scale per buffer, as a value
+  (``KahanState.compensation_scale``), so a checkpoint restored under
+  another dtype (float16 to bfloat16 or back) continues correctly.
   Each step computes, in float32, ``s = p + (u + c)`` (``u``: ``inner``'s
   update), the new param ``round(s)`` and the new buffer ``s - round(s)``,
   and returns the update that makes ``optax.apply_updates(params,
@@ -152,24 +215,37 @@ def kahan_summation(
         lambda p: jnp.zeros_like(p, dtype=_compensation_dtype(p.dtype))
         if is_narrow(p) else None,
         params)
+    scales = jax.tree.map(
+        lambda c: jnp.asarray(_compensation_scale(c.dtype), F32),
+        compensation)
     return KahanState(compensation=compensation,
-                      inner_state=unaliased(inner.init(params), params))
+                      inner_state=unaliased(inner.init(params), params),
+                      compensation_scale=scales)
 
-  def leaf(p: Any, u: Any, c: Any) -> tuple[Any, Any]:
+  def leaf(p: Any, u: Any, c: Any, k: Any) -> tuple[Any, Any, Any]:
     if c is None or not _dtypes.is_floating_array(u):
-      return u, c
+      return u, c, k
     wide = wide_dtype(p, u)
+    # The buffer is read with the scale it was written with (k) and written
+    # with its own dtype's: they differ once, after a restore under another
+    # dtype, and the new scale is stored with it.
     scale = _compensation_scale(c.dtype)   # A power of two: exact.
+    err = _read(c, k, wide)
     p_wide, u_wide = p.astype(wide), u.astype(wide)
-    s = p_wide + (u_wide + c.astype(wide) / scale)
+    s = p_wide + (u_wide + err)
     # Not s.astype(p.dtype).astype(wide): XLA:GPU deletes that pair, and
     # the compensation would stay zero (round_to's docstring).
     new_wide = _dtypes.round_to(s, p.dtype)
     # |s - new| <= half an ulp of new: exact in float32, rounded into c.
+    # Unmoved elements keep their error: err * scale is c bit for bit when
+    # the scale has not changed.
     moved = u_wide != 0
-    new_c = jnp.where(moved, ((s - new_wide) * scale).astype(c.dtype), c)
+    new_c = (jnp.where(moved, s - new_wide, err) * scale).astype(c.dtype)
+    # k's own dtype: a state's leaves keep their dtypes across a step (a
+    # guard outside keeps the old state on a skip).
+    new_k = None if k is None else jnp.asarray(scale, k.dtype)
     return _dtypes.update_between(new_wide, p_wide, update_dtype(p, wide),
-                                  moved), new_c
+                                  moved), new_c, new_k
 
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: KahanState, params: Any = None,
@@ -180,19 +256,27 @@ def kahan_summation(
       p_leaves, treedef = jax.tree.flatten(params)
       u_leaves = treedef.flatten_up_to(inner_updates)
       c_leaves = treedef.flatten_up_to(state.compensation)
-      out = [leaf(p, u, c)
-             for p, u, c in zip(p_leaves, u_leaves, c_leaves, strict=True)]
+      k_leaves = treedef.flatten_up_to(
+          _scales_like(state.compensation, state.compensation_scale))
+      out = [leaf(p, u, c, k) for p, u, c, k in zip(
+          p_leaves, u_leaves, c_leaves, k_leaves, strict=True)]
       new_updates = treedef.unflatten([o[0] for o in out])
       compensation = treedef.unflatten([o[1] for o in out])
+      # A state from before the field existed keeps its structure (None):
+      # a guard outside would refuse a state that changes it.
+      scales = (None if state.compensation_scale is None
+                else treedef.unflatten([o[2] for o in out]))
       return new_updates, KahanState(compensation=compensation,
-                                     inner_state=inner_state)
+                                     inner_state=inner_state,
+                                     compensation_scale=scales)
     return update
 
   # The compensation is half on purpose (loss_scaled's check for half
   # moments leaves it be; the inner state is still checked).
   return forwarding(init, rebind, inner, half_by_design=lambda s: KahanState(
       compensation=None,
-      inner_state=contract.without_half_by_design(inner, s.inner_state)))
+      inner_state=contract.without_half_by_design(inner, s.inner_state),
+      compensation_scale=None))
 
 
 # The class names jmp_lite.low_precision as its module (see __init__), where
