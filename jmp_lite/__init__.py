@@ -9,7 +9,8 @@ package: :mod:`jmp_lite.transforms`, :mod:`jmp_lite.master`,
 :mod:`jmp_lite.accumulation` and :mod:`jmp_lite.low_precision` (the
 optimizers' state classes), :mod:`jmp_lite.step`, :mod:`jmp_lite.contract`,
 :mod:`jmp_lite.dtypes`, :mod:`jmp_lite.struct`, :mod:`jmp_lite.fp8`,
-:mod:`jmp_lite.diagnostics`, :mod:`jmp_lite.path_rules`; and, each importing
+:mod:`jmp_lite.diagnostics`, :mod:`jmp_lite.distributed`,
+:mod:`jmp_lite.path_rules`; and, each importing
 its framework, :mod:`jmp_lite.linen`, :mod:`jmp_lite.nnx`,
 :mod:`jmp_lite.equinox` and :mod:`jmp_lite.presets`.
 """
@@ -18,6 +19,7 @@ from jmp_lite import accumulation as accumulation
 from jmp_lite import autocasting as autocasting
 from jmp_lite import contract as contract
 from jmp_lite import diagnostics as diagnostics
+from jmp_lite import distributed as distributed
 from jmp_lite import dtypes as dtypes
 from jmp_lite import finite as finite
 from jmp_lite import fp8 as fp8
@@ -51,6 +53,7 @@ from jmp_lite.loss_scale import LossScale as LossScale
 from jmp_lite.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_lite.loss_scale import StaticLossScale as StaticLossScale
 from jmp_lite.low_precision import kahan_summation as kahan_summation
+from jmp_lite.low_precision import quantized_states as quantized_states
 from jmp_lite.low_precision import state_dtypes as state_dtypes
 from jmp_lite.low_precision import stochastic_rounding as stochastic_rounding
 from jmp_lite.master import master_params as master_params
@@ -107,6 +110,7 @@ __all__ = (
     "master_weights",
     "nonfinite_counts",
     "nonfinite_paths",
+    "quantized_states",
     "raise_if_halted",
     "scaled_value_and_grad",
     "select_tree",
