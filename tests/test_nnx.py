@@ -557,6 +557,139 @@ def test_init_cache_through_the_wrapper_then_decode(jit_init):
   assert_dtype(alone(x[:, :1]), jnp.float32)
 
 
+# -- Issue 29, item 7: a returned cache keeps the dtype its method made ---
+
+def _cache_dtypes(cache):
+  return {jax.tree_util.keystr(p): np.dtype(x.dtype)
+          for p, x in jax.tree_util.tree_leaves_with_path(cache)}
+
+
+def _greedy(model, prompt, steps, cache_dtype):
+  """Prefill, then ``steps`` single-token steps handing the cache back."""
+  call = nnx.jit(lambda m, t, c: m(t, c))
+  cache = model.init_cache(prompt.shape[0], 16, cache_dtype)
+  logits, cache = call(model, prompt, cache)
+  tokens, all_logits, caches = [], [logits], [cache]
+  for _ in range(steps):
+    tokens.append(jnp.argmax(logits[:, -1], axis=-1)[:, None])
+    logits, cache = call(model, tokens[-1], cache)
+    all_logits.append(logits)
+    caches.append(cache)
+  return jnp.concatenate(tokens, axis=1), all_logits, caches
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("setting,cache_dtype,logits_dtype", [
+    ("p=f32,c=bf16,o=f32", jnp.bfloat16, jnp.float32),
+    ("p=f32,c=f32,o=bf16", jnp.float32, jnp.bfloat16),
+    ("p=f32,c=f32,o=f32", jnp.bfloat16, jnp.float32),
+])
+def test_a_returned_cache_keeps_the_dtype_its_method_made_it_in(
+    jit, setting, cache_dtype, logits_dtype):
+  """init_cache(..., dtype=...) returns its cache in that dtype, and a call
+  handed the cache returns it in the dtype it was given (it came back in the
+  output dtype, float32, twice the bare model's size); the logits take the
+  output dtype."""
+  from tests.models.nnx_models import CachedLM
+  model = jnnx.mixed_precision(CachedLM(rngs=nnx.Rngs(0)), setting)
+  make = lambda m: m.init_cache(2, 16, cache_dtype)
+  cache = nnx.jit(make)(model) if jit else make(model)
+  assert _cache_dtypes(cache) == _cache_dtypes(
+      CachedLM(rngs=nnx.Rngs(0)).init_cache(2, 16, cache_dtype))
+  assert_dtype(cache["layers"][0]["k"], cache_dtype)
+  assert_dtype(cache["index"], jnp.int32)
+  call = (lambda m, t, c: m(t, c))
+  call = nnx.jit(call) if jit else call
+  tokens = jnp.arange(6).reshape(2, 3)
+  for _ in range(2):
+    logits, new = call(model, tokens, cache)
+    assert_dtype(logits, logits_dtype)
+    assert _cache_dtypes(new) == _cache_dtypes(cache)
+    assert int(new["index"]) == int(cache["index"]) + 3
+    cache = new
+  # Plain activations still take the output dtype (no cache: none back).
+  logits, none = model(tokens)
+  assert_dtype(logits, logits_dtype)
+  assert none is None
+
+
+def test_greedy_decode_keeps_a_bfloat16_cache_and_matches_the_bare_model():
+  """A jitted greedy decode through the wrapper under p=f32,c=bf16,o=f32:
+  every step gets a bfloat16 cache back and float32 logits, the tokens and
+  logits are the bare model's with its params in bfloat16, and the step's
+  jaxpr converts nothing of the cache's size."""
+  from jmp_lite._jaxpr import walk
+  from tests.models.nnx_models import CachedLM
+  bare = CachedLM(rngs=nnx.Rngs(0))
+  # float32_norms=False: the policy is then bfloat16 everywhere, as in the
+  # bare model with bfloat16 params, so the two decodes are the same.
+  model = jnnx.mixed_precision(bare, "p=f32,c=bf16,o=f32",
+                               float32_norms=False)
+  # The bare model computing in bfloat16 (Embed fixed its dtype, float32,
+  # when it was made).
+  half = nnx.clone(bare)
+  params = nnx.state(half, nnx.Param)
+  nnx.update(half, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+  for _, layer in nnx.iter_graph(half):
+    if isinstance(layer, (nnx.Embed, nnx.Linear, nnx.RMSNorm)):
+      layer.dtype = jnp.bfloat16
+  prompt = jnp.array([[3, 1, 4, 1], [5, 9, 2, 6]])
+  tokens, logits, caches = _greedy(model, prompt, 6, jnp.bfloat16)
+  want_tokens, want_logits, want_caches = _greedy(half, prompt, 6,
+                                                  jnp.bfloat16)
+  np.testing.assert_array_equal(tokens, want_tokens)
+  for got, want in zip(logits, want_logits, strict=True):
+    assert_dtype(got, jnp.float32)
+    assert_dtype(want, jnp.bfloat16)
+    chex.assert_trees_all_close(got, want.astype(jnp.float32), atol=1e-2)
+  for got, want in zip(caches, want_caches, strict=True):
+    assert set(_cache_dtypes(got).values()) == {np.dtype(jnp.bfloat16),
+                                                np.dtype(jnp.int32)}
+    chex.assert_trees_all_close(got, want, atol=1e-2)
+  # One decode step converts no array of the cache's shape (it converted
+  # every K and V to float32 and back each step).
+  cache = caches[-1]
+  shape = cache["layers"][0]["k"].shape
+  jaxpr = jax.make_jaxpr(lambda t, c: model(t, c))(tokens[:, -1:], cache)
+  converts = [s.eqn for s in walk(jaxpr)
+              if s.primitive == "convert_element_type"]
+  assert converts   # The logits' cast to float32 is there.
+  assert not [e for e in converts if e.invars[0].aval.shape == shape]
+
+
+class _AttributeCache(nnx.Module):
+  """Makes its cache in a dtype it holds, naming none in the call."""
+
+  def __init__(self):
+    self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    self.cache_dtype = jnp.bfloat16
+
+  def init_cache(self, batch):
+    return {"k": jnp.zeros((batch, 8, 4), self.cache_dtype)}
+
+  def __call__(self, x):
+    return self.lin(x)
+
+
+def test_state_methods_hand_back_what_the_rule_does_not_recognise():
+  """A cache made in a dtype no argument names is cast like an activation
+  unless its method is named in state_methods; bad names are refused."""
+  setting = "p=f32,c=bf16,o=f32"
+  plain = jnnx.mixed_precision(_AttributeCache(), setting)
+  assert_dtype(plain.init_cache(2)["k"], jnp.float32)
+  kept = jnnx.mixed_precision(_AttributeCache(), setting,
+                              state_methods=("init_cache",))
+  assert_dtype(kept.init_cache(2)["k"], jnp.bfloat16)
+  assert_dtype(nnx.jit(lambda m: m.init_cache(2))(kept)["k"], jnp.bfloat16)
+  assert_dtype(kept(jnp.ones((1, 4))), jnp.float32)   # Others are cast.
+  with pytest.raises(TypeError, match="sequence of method names"):
+    jnnx.mixed_precision(_AttributeCache(), setting,
+                         state_methods="init_cache")
+  with pytest.raises(ValueError, match=r"\['init_kache'\].*init_cache"):
+    jnnx.mixed_precision(_AttributeCache(), setting,
+                         state_methods=["init_kache"])
+
+
 class Slotted(nnx.Module):
   def __init__(self):
     self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))

@@ -17,8 +17,9 @@ model's own code on a private copy made for that call, in which:
   ``dtype=`` says (a rule keeps a module in float32);
 * every call of a submodule, and of its own methods (``Embed.attend``),
   casts its floating inputs to the module's compute dtype and its outputs to
-  its output dtype (the rules of :mod:`jmp_lite.rules`; a carry keeps its
-  dtype);
+  its output dtype (the rules of :mod:`jmp_lite.rules`; a carry, and state
+  a call returns, such as a cache, keep their dtypes: see
+  :func:`mixed_precision`);
 * nnx objects passed as arguments (``Rngs``, caches, modules) are the
   caller's own objects, never copies.
 
@@ -239,8 +240,16 @@ def mixed_precision(
     strict: bool = False,
     enabled: bool = True,
     remat_norms: bool = False,
+    state_methods: Sequence[str] = (),
 ) -> MixedPrecision:
   """Returns an ``nnx`` model that runs under a precision policy.
+
+  The output dtype governs the activations a call returns (logits,
+  features), not the state it returns: a returned container laid out as a
+  container argument (same tree and shapes: the cache a decode step hands
+  back) comes back in the dtypes the caller passed it in, and a floating
+  value in a dtype the call names among its arguments, defaults included
+  (``init_cache(batch, size, dtype=jnp.bfloat16)``), as the method made it.
 
   Args:
     model: any ``flax.nnx.Module``; it is not modified. Its layers' own
@@ -260,6 +269,9 @@ def mixed_precision(
       backward pass (``nnx.remat``) instead of saving their float32
       intermediates (about half of float32's residuals, as in
       :func:`jmp_lite.linen.mixed_precision`).
+    state_methods: methods (the model's or a submodule's, by name) whose
+      whole return is state, handed back as the method made it, never cast
+      to the output dtype: a cache-making method the rule above misses.
 
   Returns:
     A :class:`MixedPrecision` module with the model's state layout. Passing
@@ -269,7 +281,7 @@ def mixed_precision(
     TypeError: for a model that is not an nnx module, or a bad rule or
       policy.
     ValueError: for a bad policy string or path regex; with ``strict``, for a
-      rule matching nothing.
+      rule matching nothing; for a state method no module has.
 
   Example:
     >>> import jax.numpy as jnp
@@ -312,10 +324,27 @@ def mixed_precision(
   _install_fp8(modules, resolved)
   if not isinstance(remat_norms, bool):
     raise TypeError(f"remat_norms must be a bool, got {remat_norms!r}")
-  config = _call.Config(type(model), rule_set, remat_norms)
+  config = _call.Config(type(model), rule_set, remat_norms,
+                        _state_methods(state_methods, classes))
   wrapped = _compat.instance_with(MixedPrecision, vars(model))
   _compat.set_child(wrapped, _CONFIG, config)   # Static: in the graphdef.
   return wrapped
+
+
+def _state_methods(names: Any, classes: Mapping[Path, type]
+                   ) -> tuple[str, ...]:
+  """``names`` checked: methods the policy governs in one of ``classes``."""
+  if isinstance(names, str) or not isinstance(names, Sequence) or not all(
+      isinstance(n, str) for n in names):
+    raise TypeError("state_methods must be a sequence of method names, got"
+                    f" {names!r}")
+  known = {n for c in classes.values() for n in dir(c)
+           if _call.is_method(c, n)}
+  if missing := sorted(set(names) - known):
+    raise ValueError(
+        f"state_methods names {missing}, which no module of the model has;"
+        f" expected some of: {', '.join(sorted(known))}")
+  return tuple(names)
 
 
 def _install_fp8(modules: dict[Path, nnx.Module],

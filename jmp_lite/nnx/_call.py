@@ -32,6 +32,7 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._nnx_paths import child, same_leaves, set_at_path
+from jmp_lite.nnx import _outputs
 
 Path = tuple[str, ...]
 Key = str | int
@@ -55,11 +56,13 @@ class Config:
     cls: the model's class.
     rule_set: the default policy and the rules.
     remat_norms: recompute the float32 islands in the backward pass.
+    state_methods: methods whose return is state, never cast.
   """
 
   cls: type
   rule_set: _rules.RuleSet
   remat_norms: bool = False
+  state_methods: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,12 +75,14 @@ class Slot:
     resolved: its policy and output dtype.
     recorder: the dtype report being traced, or ``None``.
     remat: recompute this module (a float32 island) in the backward pass.
+    state_methods: methods whose return is state, never cast.
   """
 
   path: Path
   resolved: _rules.Resolved
   recorder: _report.Recorder | None = None
   remat: bool = False
+  state_methods: tuple[str, ...] = ()
 
 
 def is_method(cls: type, name: str) -> bool:
@@ -104,9 +109,10 @@ def invoke(module: Any, slot: Slot, method: str, args: tuple, kwargs: dict,
   """Runs ``module.<method>`` under the policy in ``slot``.
 
   Floating inputs are cast to the module's compute dtype, outputs to its
-  output dtype (a carry keeps its dtypes). The ``entry`` module (the one the
-  caller called: the model, or a submodule called through the wrapper)
-  returns the policy's output dtype and has no carry.
+  output dtype (a carry keeps its dtypes; so does state, see
+  :mod:`jmp_lite.nnx._outputs`). The ``entry`` module (the one the caller
+  called: the model, or a submodule called through the wrapper) returns the
+  policy's output dtype and has no carry.
   """
   policy = slot.resolved.policy
   cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
@@ -125,7 +131,10 @@ def invoke(module: Any, slot: Slot, method: str, args: tuple, kwargs: dict,
            recorder.scope(slot.path, type(module), policy, slot.resolved.fp8))
   with scope:
     out = run(module, *cast_args)
-  out = _rules.cast_outputs(out, output, args, carry=not entry)
+  if method not in slot.state_methods:
+    out = _outputs.keep_state(
+        out, lambda o: _rules.cast_outputs(o, output, args, carry=not entry),
+        (args, kwargs), _outputs.chosen_dtypes(module, method, args, kwargs))
   if recorder is not None:
     own = {k: v.get_value() for k, v in vars(module).items()
            if isinstance(v, nnx.Param)}
@@ -380,7 +389,8 @@ def run(wrapper: Any, at: Sequence[Key], method: str, args: tuple,
       _compat.set_child(module, "dtype", resolved[path].policy.compute_dtype)
     remat = config.remat_norms and config.rule_set.is_island(
         resolved[path].rule)
-    slots[id(module)] = slot = Slot(path, resolved[path], recorder, remat)
+    slots[id(module)] = slot = Slot(path, resolved[path], recorder, remat,
+                                    config.state_methods)
     if path:
       boundaries[id(module)] = Boundary(module, slot)
   if id(entry) not in slots:
