@@ -176,3 +176,21 @@ def test_progress_writes_plain_lines_when_not_a_terminal():
   assert [line.split()[-1] for line in lines] == [
       "0/40", "10/40", "20/40", "30/40", "40/40"]
   assert tty.getvalue().count("\r") == 41 and tty.getvalue().endswith("\n")
+
+
+@pytest.mark.slow
+def test_multi_gpu_benchmark_runs_small_on_host_devices():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/multi_gpu_step.py", "--width", "64",
+       "--depth", "2", "--batch", "16", "--steps", "1", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=600)
+  assert out.stdout.startswith("4 x cpu"), out.stdout
+  for layout in ("dp", "fsdp"):
+    assert f"{layout}: loss scaling adds" in out.stdout
+  # Data parallel: the gradients' all-reduce already tells every device
+  # about an inf; the skip adds no collective.
+  assert "dp: loss scaling adds none" in out.stdout
+  assert out.stdout.count("| loss-scaled update_and_apply |") == 2
