@@ -28,6 +28,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_transformation
 
 __all__ = ["device_bytes", "init_sharded", "state_shardings"]
 
@@ -125,6 +126,7 @@ def state_shardings(optimizer: optax.GradientTransformation,
     >>> shardings.loss_scale.loss_scale.spec
     P()
   """
+  check_transformation(optimizer, "state_shardings")
   mesh = _mesh_of(params)
   if mesh is None:
     return None
@@ -174,6 +176,7 @@ def init_sharded(optimizer: optax.GradientTransformation, params: Any) -> Any:
     their device).
 
   Raises:
+    TypeError: if ``optimizer`` is not a gradient transformation.
     ValueError: if the params are on more than one mesh.
 
   Example:
@@ -191,6 +194,7 @@ def init_sharded(optimizer: optax.GradientTransformation, params: Any) -> Any:
     >>> state.inner_state[0].mu["w"].sharding.spec
     P('data', None)
   """
+  check_transformation(optimizer, "init_sharded")
   shardings = state_shardings(optimizer, params)
   if shardings is None:
     return jax.jit(optimizer.init)(params)
