@@ -209,6 +209,7 @@ def test_the_sweep_covers_the_top_level():
       "loss_scaled_state": "current_loss_scale (same lookup)",
       "master_params": "tests/test_master.py",
       "raise_if_halted": "tests/test_transforms.py",
+      "quantized_states": "tests/test_quantized_states.py",
   }
   swept = {name.split(".")[0] for name in BAD}
   missing = (set(jmp_lite.__all__) - swept - no_arguments_to_get_wrong
