@@ -1,7 +1,8 @@
-"""FP8 training: per-tensor scaled FP8 matmuls for plain JAX, Flax and autocast.
+"""FP8 training: scaled FP8 matmuls for plain JAX, Flax and autocast.
 
-* :class:`CurrentScaling` and :class:`DelayedScaling`: the recipes (frozen
-  values).
+* :class:`CurrentScaling` (per tensor, row or block), :class:`DelayedScaling`
+  and :class:`MXFP8` (32-element blocks, power-of-two scales): the recipes
+  (frozen values).
 * :func:`dot_general`: a ``jax.lax.dot_general`` replacement that runs a
   recipe (E4M3 operands forward, an E5M2 cotangent backward, float32
   accumulation) and plugs into Flax's ``dot_general=`` arguments.
@@ -34,6 +35,8 @@ from jmp_lite.fp8._recipes import AMAX_COMPUTE as AMAX_COMPUTE
 from jmp_lite.fp8._recipes import CurrentScaling as CurrentScaling
 from jmp_lite.fp8._recipes import DelayedScaling as DelayedScaling
 from jmp_lite.fp8._recipes import FP8_DTYPES as FP8_DTYPES
+from jmp_lite.fp8._recipes import GRANULARITIES as GRANULARITIES
+from jmp_lite.fp8._recipes import MXFP8 as MXFP8
 from jmp_lite.fp8._recipes import ScalingState as ScalingState
 
 __all__ = (
@@ -41,6 +44,8 @@ __all__ = (
     "CurrentScaling",
     "DelayedScaling",
     "FP8_DTYPES",
+    "GRANULARITIES",
+    "MXFP8",
     "QuantizationHealth",
     "ScalingState",
     "commit",

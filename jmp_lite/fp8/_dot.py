@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite.dtypes import float8_values
+from jmp_lite.fp8._blocked import fine_dot
 from jmp_lite.fp8._quantize import (
   amax_of,
   cast_saturating,
@@ -45,6 +46,8 @@ from jmp_lite.fp8._recipes import (
   check_recipe,
   CurrentScaling,
   DelayedScaling,
+  is_fine,
+  MXFP8,
   ROLES,
   ScalingState,
 )
@@ -287,7 +290,7 @@ def _floating(x: Any, what: str) -> jax.Array:
   return x
 
 
-def dot_general(recipe: CurrentScaling | DelayedScaling,
+def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
                 state: ScalingState | None = None) -> Callable[..., jax.Array]:
   """An FP8 matmul with ``jax.lax.dot_general``'s signature.
 
@@ -309,8 +312,19 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
   :class:`ScalingState` whose ``pending`` field holds the amaxes observed
   (lhs, rhs, cotangent): hand it to :func:`jmp_lite.fp8.commit`.
 
+  Finer recipes (``CurrentScaling(granularity="row" | "block")``,
+  :class:`MXFP8`) scale each row or block of every operand of the three
+  matmuls separately; the FP8 x FP8 dot then runs with the blocks as a batch
+  dimension, each block's float32 partial product de-scaled and the blocks
+  summed in float32, the numbers a block-scaled FP8 GEMM gives (see
+  ``jmp_lite/fp8/_blocked.py``). Their backward pass keeps the operands in
+  their own dtype (each gradient matmul re-quantises along its own
+  contracting dimension), and ``out_sharding`` is applied to the result
+  with ``jax.sharding.reshard``.
+
   Args:
-    recipe: a :class:`CurrentScaling` or :class:`DelayedScaling`.
+    recipe: a :class:`CurrentScaling`, :class:`DelayedScaling` or
+      :class:`MXFP8`.
     state: the matmul's :class:`ScalingState` (delayed scaling only).
 
   Returns:
@@ -343,8 +357,9 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
           f" state) with state = recipe.init(), got {state!r}")
     scaling = (recipe, state)
   elif state is not None:
-    raise TypeError("CurrentScaling is stateless; pass no state (got"
-                    f" {type(state).__name__})")
+    raise TypeError(f"{type(recipe).__name__} is stateless; pass no state"
+                    f" (got {type(state).__name__})")
+  fine = is_fine(recipe)
 
   def fp8_dot_general(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                       dimension_numbers: Any, precision: Any = None,
@@ -357,6 +372,13 @@ def dot_general(recipe: CurrentScaling | DelayedScaling,
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
+    if fine:
+      out = fine_dot(lhs, rhs, _normalize_dims(dimension_numbers), recipe,
+                     out_dtype)
+      if out_sharding is not None:
+        out = jax.sharding.reshard(out, out_sharding)
+      return out
+    assert not isinstance(recipe, MXFP8)
     st = _Static(dims=_normalize_dims(dimension_numbers),
                  fwd_dtype=recipe.fwd_dtype, bwd_dtype=recipe.bwd_dtype,
                  margin=recipe.margin, delayed=scaling is not None,

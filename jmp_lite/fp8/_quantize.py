@@ -39,7 +39,7 @@ def scale_for(amax: jax.Array, dtype: np.dtype, margin: int) -> jax.Array:
   amax = jnp.asarray(amax, _F32)
   one = np.float32(1)
   usable = (amax > 0) & jnp.isfinite(amax)
-  scale = jax.lax.select(usable, fmax / jax.lax.select(usable, amax, one), one)
+  scale = jnp.where(usable, fmax / jnp.where(usable, amax, one), one)
   return jax.lax.clamp(np.float32(_MIN_SCALE), scale, np.float32(_MAX_SCALE))
 
 
@@ -50,8 +50,8 @@ def scale_inv_for(scale: jax.Array, amax: jax.Array) -> jax.Array:
   overflow from ``loss_scaled``; poisoning the de-scale factor instead makes
   the whole product NaN, at no per-element cost.
   """
-  return jax.lax.select(jnp.isfinite(amax), np.float32(1) / scale,
-                        np.float32(np.nan))
+  return jnp.where(jnp.isfinite(amax), np.float32(1) / scale,
+                   np.float32(np.nan))
 
 
 def cast_saturating(x: jax.Array, scale: jax.Array,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import numpy as np
 from jmp_lite import struct
 
 __all__ = ["AMAX_COMPUTE", "CurrentScaling", "DelayedScaling", "FP8_DTYPES",
-           "ScalingState"]
+           "GRANULARITIES", "MXFP8", "MX_ROUNDINGS", "ScalingState"]
 
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
     jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
@@ -22,6 +22,12 @@ FP8_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
 
 AMAX_COMPUTE: tuple[str, ...] = ("max", "most_recent")
 """How :class:`DelayedScaling` reduces an amax history to one amax."""
+
+GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
+"""What one scale of :class:`CurrentScaling` covers (see its docstring)."""
+
+MX_ROUNDINGS: tuple[str, ...] = ("up", "floor")
+"""How :class:`MXFP8` rounds a block's scale exponent (see its docstring)."""
 
 ROLES: tuple[str, ...] = ("lhs", "rhs", "grad")
 """The rows of a :class:`ScalingState`: both operands and the cotangent."""
@@ -50,7 +56,7 @@ def _non_negative_int(value: Any, what: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
-  """Per-tensor FP8 scaling from each tensor's own amax, computed just in time.
+  """FP8 scaling from each tensor's (row's, block's) own amax, just in time.
 
   Each operand of a matmul is multiplied by ``finfo(dtype).max / amax /
   2**margin`` (its largest magnitude lands on the format's largest finite
@@ -58,22 +64,41 @@ class CurrentScaling:
   with float32 accumulation and the product de-scaled. Stateless: nothing to
   thread, checkpoint or commit.
 
+  ``granularity`` says what one scale covers, in each of the three matmuls
+  (forward, input gradient, weight gradient):
+
+  * ``"tensor"`` (the default): one scale per operand.
+  * ``"row"``: one scale per row of each operand, that is per index of its
+    non-contracting dimensions, over the whole contracting dimension
+    (torchao's rowwise recipe; each gradient matmul scales its operands
+    along its own contracting dimension).
+  * ``"block"``: DeepSeek-V3's recipe: the right-hand operand (the weight)
+    in ``block_size x block_size`` tiles, every other operand (activations,
+    the cotangent) in ``1 x block_size`` tiles along the matmul's
+    contracting dimension. Edge tiles may be partial.
+
   Attributes:
     fwd_dtype: the operands' format in the forward pass (E4M3: more mantissa).
     bwd_dtype: the incoming cotangent's format in the backward pass (E5M2:
       more range, for gradients).
     margin: powers of two of headroom below the format's maximum.
+    granularity: ``"tensor"``, ``"row"`` or ``"block"``.
+    block_size: the tile edge of ``"block"`` (ignored otherwise), >= 1.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> recipe = jmp_lite.fp8.CurrentScaling()
-    >>> recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
-    (dtype(float8_e4m3fn), dtype(float8_e5m2), 0)
+    >>> recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin, recipe.granularity
+    (dtype(float8_e4m3fn), dtype(float8_e5m2), 0, 'tensor')
+    >>> jmp_lite.fp8.CurrentScaling(granularity="block").block_size
+    128
   """
 
   fwd_dtype: Any = jnp.float8_e4m3fn
   bwd_dtype: Any = jnp.float8_e5m2
   margin: int = 0
+  granularity: str = "tensor"
+  block_size: int = 128
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "fwd_dtype",
@@ -82,6 +107,79 @@ class CurrentScaling:
                        _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
     object.__setattr__(self, "margin",
                        _non_negative_int(self.margin, "margin"))
+    if not isinstance(self.granularity, str) or (
+        self.granularity not in GRANULARITIES):
+      raise ValueError(f"granularity must be one of {GRANULARITIES}, got"
+                       f" {self.granularity!r}")
+    size = _non_negative_int(self.block_size, "block_size")
+    if size < 1:
+      raise ValueError(f"block_size must be >= 1, got {size}")
+    object.__setattr__(self, "block_size", size)
+
+
+_MX_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8:
+  """OCP microscaling FP8: 32-element blocks with power-of-two scales.
+
+  Every operand of each of the three matmuls (forward, input gradient,
+  weight gradient) is cut into blocks of :attr:`BLOCK` consecutive elements
+  along that matmul's contracting dimension; each block gets one E8M0
+  scale (a power of two, ``2**-127`` to ``2**127``), and its elements are
+  stored in ``fwd_dtype`` (``bwd_dtype`` for the incoming cotangent). A
+  contracting size that is not a multiple of 32 is zero-padded (zeros
+  change no block's maximum and add nothing to the product).
+
+  The scale exponent is computed exactly from the float32 bits of the
+  block's amax, never with a float ``log2``:
+
+  * ``scale_rounding="up"`` (the default; arXiv 2506.08027): the smallest
+    power of two ``s`` with ``amax / s <= finfo(dtype).max``, so no element
+    overflows (a block whose amax lies one ulp above ``max * 2**k`` gets
+    ``2**(k+1)``).
+  * ``scale_rounding="floor"``: the OCP MX v1.0 rule, ``2**(floor(log2(
+    amax)) - emax)`` with ``emax`` the element format's largest exponent (8
+    for E4M3); elements beyond the format's maximum saturate.
+
+  A block holding inf or NaN gets the NaN scale (so does the product).
+
+  Attributes:
+    fwd_dtype: E4M3 (``float8_e4m3fn``) or E5M2, the operands' elements.
+    bwd_dtype: the cotangent's elements; E4M3 by default, as the paper above
+      found best with rounded-up scales.
+    scale_rounding: ``"up"`` or ``"floor"``.
+
+  Example:
+    >>> import jmp_lite
+    >>> recipe = jmp_lite.fp8.MXFP8()
+    >>> recipe == jmp_lite.fp8.MXFP8(), recipe.BLOCK, recipe.scale_rounding
+    (True, 32, 'up')
+  """
+
+  fwd_dtype: Any = jnp.float8_e4m3fn
+  bwd_dtype: Any = jnp.float8_e4m3fn
+  scale_rounding: str = "up"
+
+  BLOCK: ClassVar[int] = 32
+  """Elements per block (fixed by the OCP MX specification)."""
+
+  margin: ClassVar[int] = 0
+  """No headroom: the scale exponent rule decides (for shared code paths)."""
+
+  def __post_init__(self) -> None:
+    for name in ("fwd_dtype", "bwd_dtype"):
+      dtype = _fp8_dtype(getattr(self, name), name)
+      if dtype not in _MX_DTYPES:
+        raise ValueError(f"MXFP8 {name} must be float8_e4m3fn or"
+                         f" float8_e5m2 (the OCP MX FP8 formats), got"
+                         f" {dtype.name}")
+      object.__setattr__(self, name, dtype)
+    if not isinstance(self.scale_rounding, str) or (
+        self.scale_rounding not in MX_ROUNDINGS):
+      raise ValueError(f"scale_rounding must be one of {MX_ROUNDINGS}, got"
+                       f" {self.scale_rounding!r}")
 
 
 @struct.dataclass
@@ -208,13 +306,20 @@ class DelayedScaling:
     return jnp.max(history, axis=1)
 
 
-Recipe = CurrentScaling | DelayedScaling
+Recipe = CurrentScaling | DelayedScaling | MXFP8
 
 
 def check_recipe(recipe: Any) -> Recipe:
   """Returns ``recipe`` if it is an FP8 recipe, else raises a TypeError."""
-  if not isinstance(recipe, (CurrentScaling, DelayedScaling)):
+  if not isinstance(recipe, (CurrentScaling, DelayedScaling, MXFP8)):
     raise TypeError(
         "Expected a jmp_lite.fp8.CurrentScaling or DelayedScaling recipe, got"
-        f" {type(recipe).__name__}: {recipe!r}")
+        f" {type(recipe).__name__}: {recipe!r} (jmp_lite.fp8.MXFP8 is one"
+        " too)")
   return recipe
+
+
+def is_fine(recipe: Recipe) -> bool:
+  """Whether ``recipe`` scales finer than per tensor (row, block, MX)."""
+  return isinstance(recipe, MXFP8) or (
+      isinstance(recipe, CurrentScaling) and recipe.granularity != "tensor")

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 
 from jmp_lite.fp8._dot import dot_general
-from jmp_lite.fp8._recipes import check_recipe, CurrentScaling, DelayedScaling
+from jmp_lite.fp8._recipes import check_recipe, DelayedScaling, Recipe
 
 COLLECTION = "fp8"
 """The linen variable collection holding delayed-scaling states."""
@@ -39,7 +39,8 @@ class Fp8DotGeneral(nn.Module):
   :data:`COLLECTION` collection, under :data:`VARIABLE`.
 
   Attributes:
-    recipe: a :class:`~jmp_lite.fp8.CurrentScaling` (no variables) or a
+    recipe: a :class:`~jmp_lite.fp8.CurrentScaling` or
+      :class:`~jmp_lite.fp8.MXFP8` (no variables), or a
       :class:`~jmp_lite.fp8.DelayedScaling`.
 
   Example:
@@ -53,7 +54,7 @@ class Fp8DotGeneral(nn.Module):
     (['fp8', 'params'], (3, 8))
   """
 
-  recipe: CurrentScaling | DelayedScaling
+  recipe: Recipe
 
   @nn.compact
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -82,7 +83,7 @@ class Fp8DotGeneral(nn.Module):
         out_sharding=out_sharding)
 
 
-def dot_general_cls(recipe: CurrentScaling | DelayedScaling
+def dot_general_cls(recipe: Recipe
                     ) -> Callable[[], Fp8DotGeneral]:
   """The zero-argument factory to pass as a linen layer's ``dot_general_cls``.
 
@@ -103,7 +104,7 @@ def dot_general_cls(recipe: CurrentScaling | DelayedScaling
   return functools.partial(Fp8DotGeneral, check_recipe(recipe))
 
 
-def layer_fields(recipe: CurrentScaling | DelayedScaling,
+def layer_fields(recipe: Recipe,
                  layer: Any = nn.Dense) -> dict[str, Any]:
   """The fields to set on a linen layer so that its matmuls run ``recipe``.
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jmp_lite.fp8 import _commit
 from jmp_lite.fp8._dot import dot_general
-from jmp_lite.fp8._recipes import check_recipe, CurrentScaling, DelayedScaling
+from jmp_lite.fp8._recipes import check_recipe, DelayedScaling, Recipe
 
 
 class ScalingStat(nnx.Variable):
@@ -45,7 +45,8 @@ class Fp8DotGeneral(nnx.Module):
   Attributes:
     recipe: the FP8 recipe (static).
     scaling: a :class:`ScalingStat` with the delayed-scaling state, or
-      ``None`` for :class:`~jmp_lite.fp8.CurrentScaling`.
+      ``None`` for the stateless recipes (:class:`~jmp_lite.fp8.CurrentScaling`
+      at any granularity, :class:`~jmp_lite.fp8.MXFP8`).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -59,7 +60,7 @@ class Fp8DotGeneral(nnx.Module):
     ((2, 4), ['dot_general'])
   """
 
-  def __init__(self, recipe: CurrentScaling | DelayedScaling) -> None:
+  def __init__(self, recipe: Recipe) -> None:
     self.recipe = check_recipe(recipe)
     self.scaling = (ScalingStat(recipe.init())
                     if isinstance(recipe, DelayedScaling) else None)
@@ -131,14 +132,15 @@ def commit(model: nnx.Module, grads: nnx.State, opt_state: Any = None, *,
                                    applied=applied))
 
 
-def dot_general_for(recipe: CurrentScaling | DelayedScaling) -> Any:
+def dot_general_for(recipe: Recipe) -> Any:
   """The ``dot_general`` to give an nnx ``Linear``/``LinearGeneral``.
 
   Args:
     recipe: an FP8 recipe.
 
   Returns:
-    A stateless function for :class:`~jmp_lite.fp8.CurrentScaling`, a fresh
+    A stateless function for :class:`~jmp_lite.fp8.CurrentScaling` and
+    :class:`~jmp_lite.fp8.MXFP8`, a fresh
     :class:`Fp8DotGeneral` module (one per layer!) for delayed scaling.
 
   Raises:

@@ -1,0 +1,309 @@
+"""FP8 quantisation finer than per tensor (row, block, MX) and its matmul.
+
+Every matmul here is first put in one canonical form, ``a (B, P, C)`` times
+``b (B, Q, C)`` into ``(B, P, Q)``: batch, free, contracting (flattened).
+Each operand is quantised in blocks along ``C`` (one block of all of ``C``
+for "row"), giving FP8 values ``(B, P, nb, bs)`` and float32 de-scale
+factors ``(B, P, nb)``. The product is one FP8 x FP8 ``dot_general`` with
+the block index as an extra *batch* dimension, accumulated in float32, each
+block's partial product multiplied by its two de-scale factors and the
+blocks summed in float32: exactly what a block-scaled FP8 GEMM computes
+(the products of FP8 values are exact in float32, the per-block scaling is
+the same, only the float32 summation order may differ), with 8-bit operands
+in the program. The price is a float32 intermediate ``nb`` times the
+output's size (``nb = 1`` for "row").
+
+``jax.nn.scaled_dot_general`` (JAX 0.10) is not used: outside cuDNN it
+dequantises to the preferred element type and runs a dot in that type
+(operands no longer 8-bit in the program), it knows only MX-style blocks
+along the contracting dimension (no 128x128 weight tiles), and its
+differentiation re-quantises with its own rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite.fp8._quantize import scale_for, scale_inv_for
+
+__all__ = ["Layout", "fine_dot", "mx_exponent", "pow2", "quantize_blocks"]
+
+_F32 = np.dtype(np.float32)
+# E8M0's exponent range (its 0xFF encoding is NaN).
+_E8M0_MIN, _E8M0_MAX = -127, 127
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one operand of one canonical matmul is quantised (hashable).
+
+  Attributes:
+    kind: ``"row"`` (one scale per row), ``"vector"`` (``1 x bs`` blocks
+      along the contracting dimension), ``"square"`` (``bs x bs`` tiles) or
+      ``"mx"`` (``1 x bs`` blocks with E8M0 scales).
+    dtype: the FP8 format.
+    margin: powers of two of headroom (not for ``"mx"``).
+    bs: the block size (unused for ``"row"``).
+    rounding: ``"up"`` or ``"floor"``, for ``"mx"``.
+  """
+
+  kind: str
+  dtype: np.dtype
+  margin: int = 0
+  bs: int = 128
+  rounding: str = "up"
+
+
+def pow2(e: jax.Array) -> jax.Array:
+  """``2.0 ** e`` in float32, exact (from the bits), for ints in [-149, 127].
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.fp8._blocked import pow2
+    >>> pow2(jnp.array([-127, 0, 3])).tolist() == [2.0 ** -127, 1.0, 8.0]
+    True
+  """
+  e = jnp.asarray(e, jnp.int32)
+  normal = jax.lax.bitcast_convert_type((jnp.maximum(e, -126) + 127) << 23,
+                                        jnp.float32)
+  sub = jax.lax.bitcast_convert_type(
+      jnp.left_shift(jnp.int32(1), jnp.clip(e + 149, 0, 22)), jnp.float32)
+  return jnp.where(e >= -126, normal, sub)
+
+
+def _exponent_bits(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(E, mantissa bits)`` of positive finite float32 ``a = 1.m * 2**E``.
+
+  Subnormals are first scaled by ``2**64`` (exact) so that their leading
+  bit is in the exponent field.
+  """
+  small = a < np.float32(2.0 ** -126)
+  a = jnp.where(small, a * np.float32(2.0 ** 64), a)
+  bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 127 - jnp.where(small, 64, 0)
+  return e, bits & 0x7FFFFF
+
+
+def mx_exponent(amax: jax.Array, dtype: np.dtype,
+                rounding: str = "up") -> jax.Array:
+  """The E8M0 scale exponent (int32) of blocks with these amaxes.
+
+  ``"up"``: the smallest ``e`` with ``amax <= finfo(dtype).max * 2**e``.
+  ``"floor"`` (OCP MX v1.0): ``floor(log2(amax)) - emax(dtype)``. Both come
+  from the bits of ``amax`` and of the format's maximum; an amax of 0 gives
+  the smallest exponent, -127. Non-finite amaxes give 128 (E8M0's NaN).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._blocked import mx_exponent
+    >>> above = np.nextafter(np.float32(448), np.float32(1000))
+    >>> mx_exponent(jnp.array([448.0, above, 1.0, 0.0]),
+    ...             np.dtype(jnp.float8_e4m3fn)).tolist()
+    [0, 1, -8, -127]
+  """
+  fmax = np.float32(jnp.finfo(dtype).max)
+  fmax_bits = int(np.asarray(fmax).view(np.int32))
+  fmax_e, fmax_m = ((fmax_bits >> 23) & 0xFF) - 127, fmax_bits & 0x7FFFFF
+  amax = jnp.asarray(amax, _F32)
+  finite = jnp.isfinite(amax)
+  safe = jnp.where(finite & (amax > 0), amax, np.float32(1))
+  e, m = _exponent_bits(safe)
+  if rounding == "up":
+    # amax = 1.m * 2**E <= 1.fm * 2**(Ef + e) iff e >= E - Ef (+1 if m > fm).
+    exp = e - fmax_e + jnp.where(m > fmax_m, 1, 0)
+  else:
+    exp = e - fmax_e
+  exp = jnp.where(amax > 0, exp, _E8M0_MIN)
+  exp = jnp.clip(exp, _E8M0_MIN, _E8M0_MAX)
+  return jnp.where(finite, exp, _E8M0_MAX + 1).astype(jnp.int32)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _cast(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  fmax = np.float32(jnp.finfo(dtype).max)
+  return jax.lax.clamp(-fmax, x.astype(_F32) * scale, fmax).astype(dtype)
+
+
+def quantize_blocks(x: jax.Array, layout: Layout
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Quantises ``x (B, P, C)`` in blocks along its last (contracting) axis.
+
+  Args:
+    x: a floating array of rank 3.
+    layout: how.
+
+  Returns:
+    ``(q, scale_inv)``: FP8 ``(B, P, nb, bs)`` (``C`` zero-padded to
+    ``nb * bs``) and float32 ``(B, P, nb)``, with ``x ~= q * scale_inv``
+    block by block. A block holding inf or NaN has a NaN ``scale_inv``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._blocked import Layout, quantize_blocks
+    >>> x = jnp.array([[[1.0, 2.0, 300.0, 0.5]]])
+    >>> q, inv = quantize_blocks(x, Layout("mx", np.dtype(jnp.float8_e4m3fn),
+    ...                                    bs=2))
+    >>> q.shape, inv.tolist()
+    ((1, 1, 2, 2), [[[0.0078125, 1.0]]])
+  """
+  b, p, c = x.shape
+  if layout.kind == "row":
+    bs, nb = max(c, 1), 1
+  else:
+    bs = layout.bs
+    nb = max(math.ceil(c / bs), 1)
+  blocks = _pad_to(x, 2, bs).reshape(b, p, nb, bs)
+  absx = jnp.abs(blocks).astype(_F32)
+  if layout.kind == "square":
+    tiles = _pad_to(absx, 1, bs)
+    mp = tiles.shape[1] // bs
+    amax = jnp.max(tiles.reshape(b, mp, bs, nb, bs), axis=(2, 4))
+    amax = jnp.repeat(amax, bs, axis=1)[:, :p]
+  else:
+    amax = jnp.max(absx, axis=3)
+  if layout.kind == "mx":
+    exp = mx_exponent(amax, layout.dtype, layout.rounding)
+    nan = exp > _E8M0_MAX
+    inv = jnp.where(nan, np.float32(np.nan), pow2(jnp.minimum(exp, 127)))
+    scale = pow2(-jnp.minimum(exp, 127))
+  else:
+    scale = scale_for(amax, layout.dtype, layout.margin)
+    inv = scale_inv_for(scale, amax)
+  return _cast(blocks, scale[..., None], layout.dtype), inv
+
+
+def dequantize_blocks(q: jax.Array, scale_inv: jax.Array,
+                      size: int) -> jax.Array:
+  """The float32 values ``q * scale_inv`` of :func:`quantize_blocks`, unpadded.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._blocked import Layout, dequantize_blocks
+    >>> from jmp_lite.fp8._blocked import quantize_blocks
+    >>> x = jnp.array([[[1.0, 3.0, -0.3]]])
+    >>> q, inv = quantize_blocks(x, Layout("row", np.dtype(jnp.float8_e4m3fn)))
+    >>> back = dequantize_blocks(q, inv, 3)[0, 0].tolist()  # 3 -> 448
+    >>> [round(v, 3) for v in back]
+    [0.964, 3.0, -0.295]
+  """
+  b, p, nb, bs = q.shape
+  out = q.astype(_F32) * scale_inv[..., None]
+  return out.reshape(b, p, nb * bs)[..., :size]
+
+
+def _qdot(a: jax.Array, b: jax.Array, la: Layout, lb: Layout) -> jax.Array:
+  """``a (B, P, C) . b (B, Q, C) -> (B, P, Q)`` float32, block-scaled FP8."""
+  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
+  qa, ia = quantize_blocks(a, la)
+  qb, ib = quantize_blocks(b, lb)
+  # (B, nb, P, Q): one exact FP8 product per block, accumulated in float32.
+  part = _matmul(qa, qb, (((3,), (3,)), ((0, 2), (0, 2))))
+  scaled = (part * jnp.transpose(ia, (0, 2, 1))[..., None]
+            * jnp.transpose(ib, (0, 2, 1))[:, :, None, :])
+  return jnp.sum(scaled, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The layouts of the three matmuls' operands, and the result's dtype."""
+
+  fwd: tuple[Layout, Layout]
+  dgrad: tuple[Layout, Layout]
+  wgrad: tuple[Layout, Layout]
+  out_dtype: np.dtype
+
+
+def plan_for(recipe: Any, out_dtype: np.dtype) -> _Plan:
+  """The layouts a fine-grained recipe gives each operand of each matmul.
+
+  Forward ``x . w``: x is the lhs, w the rhs. Input gradient ``g . w^T``:
+  g the lhs, w the rhs. Weight gradient ``g^T . x`` (contracting the
+  rows): both are lhs-like (``1 x bs`` blocks along the rows), as in
+  DeepSeek-V3.
+  """
+  from jmp_lite.fp8._recipes import MXFP8
+  if isinstance(recipe, MXFP8):
+    f = Layout("mx", recipe.fwd_dtype, 0, MXFP8.BLOCK, recipe.scale_rounding)
+    g = dataclasses.replace(f, dtype=recipe.bwd_dtype)
+    return _Plan((f, f), (g, f), (g, f), out_dtype)
+  fwd, bwd, m = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
+  bs = recipe.block_size
+  if recipe.granularity == "row":
+    f, g = Layout("row", fwd, m), Layout("row", bwd, m)
+    return _Plan((f, f), (g, f), (g, f), out_dtype)
+  vec, sq = Layout("vector", fwd, m, bs), Layout("square", fwd, m, bs)
+  gv = Layout("vector", bwd, m, bs)
+  return _Plan((vec, sq), (gv, sq), (gv, vec), out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _canonical(x: jax.Array, w: jax.Array, plan: _Plan) -> jax.Array:
+  """``x (B, M, K) . w (B, N, K) -> (B, M, N)`` under ``plan``."""
+  return _qdot(x, w, *plan.fwd).astype(plan.out_dtype)
+
+
+def _canonical_fwd(x, w, plan):
+  return _canonical(x, w, plan), (x, w)
+
+
+def _canonical_bwd(plan, res, g):
+  from jmp_lite.fp8._dot import _like_primal
+  x, w = res
+  # d x = g (B, M, N) . w^T (B, K, N); d w = g^T (B, N, M) . x^T (B, K, M).
+  dx = _qdot(g, jnp.swapaxes(w, 1, 2), *plan.dgrad)
+  dw = _qdot(jnp.swapaxes(g, 1, 2), jnp.swapaxes(x, 1, 2), *plan.wgrad)
+  dx = _like_primal(dx, x, jax.lax.psum)
+  dw = _like_primal(dw, w, jax.lax.psum)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_canonical.defvjp(_canonical_fwd, _canonical_bwd)
+
+
+def fine_dot(lhs: jax.Array, rhs: jax.Array, dims: Any, recipe: Any,
+             out_dtype: np.dtype) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, dims)`` with a row/block/MX FP8 recipe.
+
+  The operands are transposed and reshaped (outside the custom VJP, so JAX
+  differentiates that part) to the canonical ``(B, M, K)`` and
+  ``(B, N, K)``, multiplied, and the result reshaped to ``dot_general``'s
+  ``(batch..., lhs free..., rhs free...)``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np, jmp_lite
+    >>> from jmp_lite.fp8._blocked import fine_dot
+    >>> y = fine_dot(jnp.ones((2, 40)), jnp.ones((40, 3)),
+    ...              (((1,), (0,)), ((), ())), jmp_lite.fp8.MXFP8(),
+    ...              np.dtype("float32"))
+    >>> y.tolist()
+    [[40.0, 40.0, 40.0], [40.0, 40.0, 40.0]]
+  """
+  (lc, rc), (lb, rb) = dims
+  l_free = tuple(d for d in range(lhs.ndim) if d not in (*lc, *lb))
+  r_free = tuple(d for d in range(rhs.ndim) if d not in (*rc, *rb))
+  batch = tuple(lhs.shape[d] for d in lb)
+  nbat = math.prod(batch)
+  m_shape = tuple(lhs.shape[d] for d in l_free)
+  n_shape = tuple(rhs.shape[d] for d in r_free)
+  k = math.prod(lhs.shape[d] for d in lc)
+  x = jnp.transpose(lhs, (*lb, *l_free, *lc)).reshape(
+      nbat, math.prod(m_shape), k)
+  w = jnp.transpose(rhs, (*rb, *r_free, *rc)).reshape(
+      nbat, math.prod(n_shape), k)
+  out = cast(jax.Array, _canonical(x, w, plan_for(recipe, out_dtype)))
+  return out.reshape(*batch, *m_shape, *n_shape)
