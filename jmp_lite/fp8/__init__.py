@@ -8,6 +8,8 @@
   accumulation) and plugs into Flax's ``dot_general=`` arguments.
 * :class:`ScalingState` and :func:`commit`: delayed scaling's state, threaded
   as a value, advanced once per applied optimizer step.
+* :func:`all_gather`: an FSDP weight gather under ``shard_map`` that moves
+  FP8 payloads and reduce-scatters its gradient in float32.
 * :func:`quantize`, :func:`quantization_health`, :func:`history_amax`:
   building blocks and diagnostics.
 * :mod:`jmp_lite.fp8.linen` and :mod:`jmp_lite.fp8.nnx` (import them
@@ -28,6 +30,7 @@ from jmp_lite.fp8._commit import commit as commit
 from jmp_lite.fp8._commit import history_amax as history_amax
 from jmp_lite.fp8._commit import step_outcome as step_outcome
 from jmp_lite.fp8._dot import dot_general as dot_general
+from jmp_lite.fp8._gather import all_gather as all_gather
 from jmp_lite.fp8._health import quantization_health as quantization_health
 from jmp_lite.fp8._health import QuantizationHealth as QuantizationHealth
 from jmp_lite.fp8._quantize import quantize as quantize
@@ -48,6 +51,7 @@ __all__ = (
     "MXFP8",
     "QuantizationHealth",
     "ScalingState",
+    "all_gather",
     "commit",
     "dot_general",
     "history_amax",
