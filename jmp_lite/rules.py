@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling
+from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling, MXFP8
 from jmp_lite.policy import get_policy, Policy
 
 __all__ = ["FLOAT32", "Resolved", "Rule", "RuleSet"]
 
-_RECIPES = (CurrentScaling, DelayedScaling)
+_RECIPES = (CurrentScaling, DelayedScaling, MXFP8)
 
 Path = tuple[str, ...]
 
@@ -135,13 +135,15 @@ class Rule:
     if policy is None and fp8 is None:
       raise TypeError(
           f"Rule for {self.matcher!r} needs a policy (or policy string) or an"
-          " FP8 recipe (jmp_lite.fp8.CurrentScaling / DelayedScaling)")
+          " FP8 recipe (jmp_lite.fp8.CurrentScaling / DelayedScaling /"
+          " MXFP8)")
     if policy is not None:
       policy = as_policy(policy, "A rule's policy")
     if fp8 is not None and not isinstance(fp8, _RECIPES):
       raise TypeError(
-          "A rule's fp8 must be a jmp_lite.fp8.CurrentScaling or"
-          f" DelayedScaling recipe, got {type(fp8).__name__}: {fp8!r}")
+          "A rule's fp8 must be a jmp_lite.fp8.CurrentScaling,"
+          " DelayedScaling or MXFP8 recipe, got"
+          f" {type(fp8).__name__}: {fp8!r}")
     object.__setattr__(self, "matcher", m)
     object.__setattr__(self, "policy", policy)
     object.__setattr__(self, "fp8", fp8)

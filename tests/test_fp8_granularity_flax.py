@@ -12,6 +12,7 @@ from flax import nnx
 import jmp_lite
 import jmp_lite.fp8.linen as fp8_linen
 import jmp_lite.fp8.nnx as fp8_nnx
+import jmp_lite.linen as jl
 from jmp_lite import fp8
 from tests.test_fp8 import dot_operand_dtypes, normal, rel_err
 
@@ -104,3 +105,16 @@ def test_autocast_runs_every_matmul_with_the_recipe(name):
     assert rel_err(grads[k], ref[k]) < 0.2
   found = all_fp8(jax.make_jaxpr(jax.grad(f))(params, X, y))
   assert len(found) >= 5  # 2 forward, 3 gradient (x needs none).
+
+
+def test_a_policy_rule_takes_mxfp8():
+  """Rule(nn.Dense, MXFP8()) was refused (rules knew two recipe classes)."""
+  model = jl.mixed_precision(nn.Dense(64), "p=f32,c=bf16,o=f32",
+                             rules=[(nn.Dense, jmp_lite.fp8.MXFP8())])
+  variables = model.init(jax.random.key(0), jnp.ones((2, 64)))
+  jaxpr = str(jax.make_jaxpr(
+      lambda v: model.apply(v, jnp.ones((2, 64))))(variables))
+  assert "f8_e4m3fn" in jaxpr
+  with pytest.raises(TypeError, match="CurrentScaling, DelayedScaling or"
+                     " MXFP8"):
+    jmp_lite.rules.Rule(nn.Dense, fp8="mx")
