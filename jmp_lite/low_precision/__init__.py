@@ -13,6 +13,8 @@ bytes per parameter. These transformations fix it at 6-8:
 * :func:`state_dtypes` stores an optimizer's state (Adam's moments) in narrow
   dtypes while the optimizer computes in float32; optax alone cannot choose
   the dtype of ``nu`` (optax issue 1552).
+* :func:`quantized_states` stores it in 8 or 4 bits per element, one scale
+  per block: with stochastic rounding, Adam at about 4 bytes per parameter.
 
 Together (``kahan_summation(state_dtypes(adam, "bf16"))``) they are the
 ``O3`` preset's default recipe; see ``docs/low_precision.md``.
@@ -25,6 +27,11 @@ kernel: no random array is materialised and no key is passed per call.
 from __future__ import annotations
 
 from jmp_lite.low_precision._kahan import kahan_summation, KahanState
+from jmp_lite.low_precision._quantized import (
+  quantized_states,
+  QuantizedArray,
+  QuantizedStatesState,
+)
 from jmp_lite.low_precision._state_dtypes import (
   state_dtypes,
   StateDtypesState,
@@ -34,8 +41,9 @@ from jmp_lite.low_precision._stochastic_rounding import (
   StochasticRoundingState,
 )
 
-__all__ = ["KahanState", "StateDtypesState", "StochasticRoundingState",
-           "kahan_summation", "state_dtypes", "stochastic_rounding"]
+__all__ = ["KahanState", "QuantizedArray", "QuantizedStatesState",
+           "StateDtypesState", "StochasticRoundingState", "kahan_summation",
+           "quantized_states", "state_dtypes", "stochastic_rounding"]
 
 # Everything public names this package as its home: reprs, the API docs and
 # pickles (which find a class by module and name, as pickles made before the

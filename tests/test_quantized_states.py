@@ -1,0 +1,402 @@
+"""quantized_states: optimizer state in 8 and 4 bits (issue 31)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite.low_precision import QuantizedArray, QuantizedStatesState
+from jmp_lite.low_precision._quantized import (
+  _POWERS,
+  bytes_per_element,
+  dequantize,
+  quantize,
+)
+from tests.conftest import AUTO_KIND
+
+tree_bytes = jmp_lite.diagnostics.tree_bytes
+
+
+def _params(dtype: Any = jnp.bfloat16) -> dict[str, jax.Array]:
+  """Layers of a few thousand elements, and a last axis that is not a
+  multiple of the block size (300 = 256 + 44: a partial last block)."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w1": (0.1 * jax.random.normal(k1, (24, 300))).astype(dtype),
+          "b1": jnp.zeros(300, dtype),
+          "w2": (0.1 * jax.random.normal(k2, (300, 16))).astype(dtype)}
+
+
+def _grads(i: int, dtype: Any = jnp.bfloat16, bad: bool = False) -> Any:
+  keys = jax.random.split(jax.random.key(100 + i), 3)
+  g = {n: (jax.random.normal(k, p.shape) * 10.0 ** -(j + 1)).astype(dtype)
+       for j, ((n, p), k) in enumerate(zip(_params().items(), keys,
+                                           strict=True))}
+  if bad:
+    g["b1"] = g["b1"].at[3].set(jnp.nan)
+  return g
+
+
+def _quantized(state: Any) -> list[QuantizedArray]:
+  return [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, QuantizedArray)) if isinstance(x, QuantizedArray)]
+
+
+# ------------------------------------------------------------------ the maps
+
+
+# Bounds on the round trip of 4096 elements, per (bits, signed): for the
+# signed map, the L2 error relative to the data's; for the unsigned map, the
+# largest error of sqrt(v) relative to the block's largest sqrt(v).
+_BOUNDS = {(8, True): 0.01, (8, False): 0.02, (4, True): 0.15,
+           (4, False): 0.2}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("signed", [True, False])
+def test_round_trip_error_per_map(bits, signed):
+  key = jax.random.key(1)
+  if signed:
+    x = jax.random.normal(key, (16, 256)) * 1e-3
+  else:   # Squared gradients: log-normal, many orders of magnitude.
+    x = jnp.exp(2.0 * jax.random.normal(key, (16, 256))) * 1e-8
+  q = quantize(x, bits=bits, block_size=256, signed=signed,
+               power=_POWERS[(bits, signed)])
+  back = dequantize(q)
+  assert back.dtype == jnp.float32 and back.shape == x.shape
+  if signed:
+    err = float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x))
+  else:
+    root, root_back = jnp.sqrt(x), jnp.sqrt(back)
+    err = float(jnp.max(jnp.abs(root_back - root)
+                        / jnp.max(root, axis=-1, keepdims=True)))
+    # A positive second moment never comes back as 0 (Adam would divide by
+    # eps alone).
+    assert bool(jnp.all(back > 0))
+  assert err <= _BOUNDS[(bits, signed)], err
+
+
+def test_second_moment_is_never_zero_where_positive():
+  v = jnp.array([[1.0, 1e-12, 1e-30, 0.0, 3e-5]])
+  for bits in (8, 4):
+    back = dequantize(quantize(v, bits=bits, block_size=4, signed=False,
+                               power=_POWERS[(bits, False)]))
+    assert bool(jnp.all(back[0, :3] > 0)) and float(back[0, 4]) > 0
+  # A block of zeros stays zero (its scale is 0).
+  zeros = quantize(jnp.zeros((2, 8)), bits=8, block_size=4, signed=False,
+                   power=3.0)
+  chex.assert_trees_all_equal(dequantize(zeros), jnp.zeros((2, 8)))
+
+
+def test_signed_map_keeps_zero_and_signs_and_extremes():
+  x = jnp.array([[-2.0, -1e-9, 0.0, 1e-9, 0.5, 2.0, 7.0]])
+  for bits in (8, 4):
+    back = dequantize(quantize(x, bits=bits, block_size=4, signed=True,
+                               power=_POWERS[(bits, True)]))
+    assert float(back[0, 2]) == 0.0
+    # Each block's largest magnitude is exact.
+    assert float(back[0, 0]) == -2.0 and float(back[0, 6]) == 7.0
+    assert bool(jnp.all(jnp.sign(back) * jnp.sign(x) >= 0))
+
+
+@pytest.mark.parametrize("bits,shape,codes,scales", [
+    (8, (3, 300), (3, 300), (3, 2)),    # partial last block
+    (4, (3, 301), (3, 151), (3, 2)),    # two codes per byte, odd last axis
+    (8, (5,), (5,), (1, 1)),
+    (8, (40, 16), (40, 16), (3, 1)),    # 16 rows of 16 per block
+    (4, (2, 2, 512), (2, 2, 256), (4, 2))])
+def test_storage_layout(bits, shape, codes, scales):
+  x = jax.random.normal(jax.random.key(2), shape)
+  q = quantize(x, bits=bits, block_size=256, signed=True, power=2.0)
+  assert q.codes.dtype == jnp.uint8 and q.codes.shape == codes
+  assert q.scales.dtype == jnp.float32 and q.scales.shape == scales
+  if shape[-1] >= 256:   # Rows at least a block long: each row alone.
+    row = quantize(x[..., :1, :] if x.ndim > 1 else x, bits=bits,
+                   block_size=256, signed=True, power=2.0)
+    np.testing.assert_array_equal(
+        dequantize(row), dequantize(q)[..., :1, :] if x.ndim > 1 else
+        dequantize(q))
+  # Half the widest gap of the power-2 map, of the largest magnitude.
+  np.testing.assert_allclose(dequantize(q), x, atol=float(jnp.abs(x).max())
+                             * (0.14 if bits == 4 else 0.008))
+
+
+def test_bfloat16_scales():
+  x = jax.random.normal(jax.random.key(3), (4, 256)) * 3.3
+  q = quantize(x, bits=8, block_size=64, signed=True, power=2.0,
+               scale_dtype=jnp.bfloat16)
+  assert q.scales.dtype == jnp.bfloat16
+  back = dequantize(q)
+  # Scales round up, so nothing is clipped.
+  assert float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x)) < 0.01
+  assert bytes_per_element(8, 64, jnp.bfloat16) == 1 + 2 / 64
+
+
+# ----------------------------------------------------------- the transform
+
+
+def test_state_layout_and_counts_untouched():
+  opt = jmp_lite.quantized_states(optax.adam(1e-3), bits=4, block_size=128)
+  state = opt.init(_params())
+  assert isinstance(state, QuantizedStatesState)
+  adam = state.inner_state[0]
+  assert adam.count.dtype == jnp.int32 and adam.count.shape == ()
+  assert isinstance(adam.mu["w1"], QuantizedArray)
+  assert adam.mu["w1"].signed and not adam.nu["w1"].signed
+  assert adam.mu["w1"].codes.shape == (24, 150)
+  assert adam.mu["w1"].scales.shape == (24, 3)
+  assert adam.nu["w2"].codes.shape == (300, 8)
+  # The inner optimizer runs on float32 whatever the params' dtype.
+  assert adam.mu["b1"].dtype == jnp.float32
+
+
+def test_updates_follow_float32_adam():
+  params = _params(jnp.float32)
+  ref, opt = optax.adam(1e-3), jmp_lite.quantized_states(optax.adam(1e-3))
+  ref_state, state = ref.init(params), opt.init(params)
+  update = jax.jit(opt.update)
+  u: Any = None
+  ref_u: Any = None
+  for i in range(20):
+    g = _grads(i, jnp.float32)
+    ref_u, ref_state = ref.update(g, ref_state, params)
+    u, state = update(g, state, params)
+    chex.assert_trees_all_equal_dtypes(u, ref_u)
+  for name in params:
+    err = jnp.linalg.norm(u[name] - ref_u[name]) / jnp.linalg.norm(
+        ref_u[name])
+    assert float(err) < 0.05, (name, float(err))
+
+
+def test_a_param_named_nu_is_not_a_second_moment():
+  opt = jmp_lite.quantized_states(optax.adam(1e-3))
+  state: Any = opt.init({"nu": jnp.ones(8)})
+  assert state.inner_state[0].mu["nu"].signed
+  assert not state.inner_state[0].nu["nu"].signed
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(bits=3), ValueError, "bits must be 8 or 4, got 3"),
+    (dict(bits=16), ValueError, "got 16"),
+    (dict(bits=8.0), TypeError, "bits must be an int, got float: 8.0"),
+    (dict(bits=True), TypeError, "bits must be an int"),
+    (dict(block_size=0), ValueError, "block_size must be >= 1, got 0"),
+    (dict(block_size=-4), ValueError, "got -4"),
+    (dict(block_size=2.5), TypeError, "block_size must be an int.*2.5"),
+    (dict(block_size="256"), TypeError, "'256'"),
+    (dict(bits=4, block_size=255), ValueError, "must be even, got 255"),
+    (dict(scale_dtype="float16"), ValueError, "float32 or bfloat16"),
+    (dict(scale_dtype="int8"), ValueError, "int8"),
+    (dict(unsigned="nu"), TypeError, "sequence of field names"),
+])
+def test_bad_input_names_the_value(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jmp_lite.quantized_states(optax.adam(1e-3), **kwargs)
+
+
+def test_a_non_transformation_inner_is_refused():
+  with pytest.raises(TypeError, match="quantized_states expects an optax.*"
+                     "'adam'"):
+    jmp_lite.quantized_states("adam")  # pyright: ignore[reportArgumentType]
+
+
+def test_another_wrappers_state_is_refused():
+  opt = jmp_lite.quantized_states(optax.adam(1e-3))
+  other = jmp_lite.state_dtypes(optax.adam(1e-3), "bf16")
+  params = _params()
+  with pytest.raises(TypeError, match="quantized_states"):
+    opt.update(_grads(0), other.init(params), params)
+
+
+# ------------------------------------------------------------- composition
+
+
+def _compositions() -> dict[str, Any]:
+  """Recipes on bfloat16 params, each with a loss_scaled guard inside."""
+  qs, sr = jmp_lite.quantized_states, jmp_lite.stochastic_rounding
+  scaled = lambda: jmp_lite.loss_scaled(
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**10))
+  return {
+      "sr-8": sr(qs(scaled(), bits=8), seed=0),
+      "sr-4": sr(qs(scaled(), bits=4), seed=0),
+      "kahan-8": jmp_lite.kahan_summation(qs(scaled())),
+      "sr-8-state-dtypes": sr(qs(jmp_lite.state_dtypes(scaled(), "bf16"))),
+      "state-dtypes-sr-8": sr(jmp_lite.state_dtypes(
+          qs(scaled(), scale_dtype="bf16"), "bf16", rounding="stochastic")),
+      "master-8": jmp_lite.master_weights(qs(scaled())),
+      "sr-8-bf16-scales": sr(qs(scaled(), scale_dtype="bfloat16")),
+  }
+
+
+def _held(state: Any) -> Any:
+  """What a skipped step must leave bit-identical: the quantized leaves and
+  the random streams' counters."""
+  lp = jmp_lite.low_precision
+  kinds = (lp.KahanState, lp.StochasticRoundingState, lp.StateDtypesState)
+  nodes = [n for k in kinds for n in jmp_lite.struct.find_nodes(state, k)]
+  return (_quantized(state), [getattr(n, "count", None) for n in nodes],
+          [n.compensation for n in jmp_lite.struct.find_nodes(
+              state, lp.KahanState)])
+
+
+def _jitted(opt: Any, how: str) -> Any:
+  def step(params, state, grads):
+    if how == "update_and_apply":
+      return jmp_lite.update_and_apply(opt, grads, state, params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("name", list(_compositions()))
+@pytest.mark.parametrize("how", ["update", "update_and_apply"])
+def test_skipped_step_is_bit_identical(name, how):
+  opt = _compositions()[name]
+  if how == "update_and_apply":
+    # One lax.cond around the whole step (on the CPU): the guard inside is
+    # decided from the gradients, through every wrapper's declaration.
+    assert jmp_lite.step.formulation(opt, jnp.bfloat16)[0] == AUTO_KIND
+  step = _jitted(opt, how)
+  params = _params()
+  state = opt.init(params)
+  for i in range(3):
+    params, state = step(params, state, _grads(i))
+  assert _quantized(state)
+  before = jax.device_get((params, _held(state)))
+  params, state = step(params, state, _grads(99, bad=True))
+  # (Only the loss scale and the skip counters move.)
+  chex.assert_trees_all_equal((params, _held(state)), before)
+  assert int(jmp_lite.loss_scaled_state(state).total_skips) == 1
+  # And training goes on from there.
+  params, state = step(params, state, _grads(4))
+  assert not np.array_equal(np.asarray(params["w1"], np.float32),
+                            np.asarray(before[0]["w1"], np.float32))
+  chex.assert_trees_all_equal_dtypes(params, _params())
+
+
+def test_loss_scaled_outside_accepts_the_quantized_state():
+  # The codes and bfloat16 scales are narrow by design: loss_scaled's check
+  # for half moments leaves them be, and still sees inner's own leaves.
+  inner = jmp_lite.quantized_states(optax.adam(1e-3), scale_dtype="bf16")
+  opt = jmp_lite.loss_scaled(inner, jmp_lite.StaticLossScale(2.0**8))
+  state: Any = opt.init(_params(jnp.float32))
+  held = jmp_lite.contract.without_half_by_design(inner, state.inner_state)
+  assert not _quantized(held)
+  with pytest.raises(TypeError, match="half-precision leaves"):
+    # A scalar param's moment is not quantized: bfloat16 by inner's choice.
+    jmp_lite.loss_scaled(jmp_lite.quantized_states(
+        optax.adam(1e-3, mu_dtype=jnp.bfloat16)),
+        jmp_lite.StaticLossScale(2.0)).init({"w": jnp.ones(())})
+  params = _params(jnp.float32)
+  grads = jax.tree.map(lambda g: g * 2.0**8, _grads(0, jnp.float32))
+  params, state = jmp_lite.update_and_apply(opt, grads, state, params)
+  assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
+
+
+def test_accumulate_gradients_inside_and_outside():
+  qs = jmp_lite.quantized_states
+  for opt in (jmp_lite.stochastic_rounding(qs(jmp_lite.accumulate_gradients(
+                  optax.adam(1e-3), every_k=2))),
+              jmp_lite.accumulate_gradients(jmp_lite.stochastic_rounding(
+                  qs(optax.adam(1e-3))), every_k=2)):
+    step = _jitted(opt, "update")
+    params = _params()
+    state = opt.init(params)
+    params, state = step(params, state, _grads(0))
+    before = jax.device_get((params, _quantized(state)))
+    # The first micro-batch applies nothing: params and codes stay.
+    chex.assert_trees_all_equal((params, _quantized(state)), before)
+    params, state = step(params, state, _grads(1))
+    assert not np.array_equal(np.asarray(params["w1"], np.float32),
+                              np.asarray(before[0]["w1"], np.float32))
+
+
+# ------------------------------------------------- jit, pytrees, checkpoints
+
+
+def test_jit_with_donation_never_recompiles():
+  opt = _compositions()["sr-8"]
+  chex.clear_trace_counter()
+
+  @chex.assert_max_traces(n=1)
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  params = _params()
+  state = opt.init(params)
+  for i in range(4):   # Warnings are errors: an unusable donation would fail.
+    params, state = step(params, state, _grads(i))
+  params, state = step(params, state, _grads(5, bad=True))
+
+
+def test_state_round_trips_through_pytree_tools_and_pickle():
+  opt = _compositions()["sr-4"]
+  params = _params()
+  state = opt.init(params)
+  state = opt.update(_grads(0), state, params)[1]
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x, state), state)
+  chex.assert_trees_all_equal(pickle.loads(pickle.dumps(state)), state)
+  shapes = jax.eval_shape(opt.init, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(shapes, state)
+  assert jax.tree.structure(shapes) == jax.tree.structure(state)
+  lowered = jax.jit(opt.update).lower(_grads(0), state, params)
+  assert "xui8>" in lowered.as_text()   # the codes, as uint8
+  # Static config lives in the treedef: no config leaf to lose.
+  q = _quantized(state)[0]
+  leaves = jax.tree.leaves(q)
+  assert [x.dtype for x in leaves] == [jnp.uint8, jnp.float32]
+  restored = jax.tree.unflatten(jax.tree.structure(state),
+                                [np.asarray(x) for x in jax.tree.leaves(
+                                    state)])
+  updates, _ = jax.jit(opt.update)(_grads(1), restored, params)
+  chex.assert_trees_all_equal(
+      updates, jax.jit(opt.update)(_grads(1), state, params)[0])
+
+
+# ------------------------------------------------------------------- bytes
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 4.1), (4, 3.1)])
+def test_bytes_per_parameter(bits, limit):
+  opt = jmp_lite.stochastic_rounding(jmp_lite.quantized_states(
+      jmp_lite.loss_scaled(optax.adam(1e-3), jmp_lite.NoOpLossScale()),
+      bits=bits), seed=0)
+  params = _params()
+  n = sum(p.size for p in jax.tree.leaves(params))
+  params, state = _jitted(opt, "update")(params, opt.init(params), _grads(0))
+  per_param = tree_bytes((params, state)) / n
+  assert per_param <= limit, per_param
+  assert tree_bytes(params) / n == 2.0
+  moments = sum(tree_bytes(q.codes) for q in _quantized(state)) / n
+  assert moments == bits / 4
+
+
+# --------------------------------------------------------------- sharding
+
+
+def test_blocks_follow_the_last_axis():
+  """A block never crosses rows of the last axis (nor groups of
+  ``block_size // n`` rows of a shorter one), so a param sharded along its
+  leading axes is quantized shard by shard exactly as whole: under
+  ``shard_map`` no specs are needed."""
+  opt = _compositions()["sr-8"]
+  k1, k2 = jax.random.split(jax.random.key(5))
+  params = {"w1": jax.random.normal(k1, (24, 300), jnp.bfloat16),
+            "w2": jax.random.normal(k2, (288, 16), jnp.bfloat16)}
+  grads = jax.tree.map(lambda p: (p * 1e-2).astype(p.dtype), params)
+  first = lambda t: jax.tree.map(lambda x: x[: x.shape[0] // 2], t)
+  whole = opt.update(grads, opt.init(params), params)[1]
+  part = opt.update(first(grads), opt.init(first(params)), first(params))[1]
+  for qw, qp in zip(_quantized(whole), _quantized(part), strict=True):
+    rows = qp.codes.shape[0]
+    np.testing.assert_array_equal(qw.codes[:rows], qp.codes)
+    np.testing.assert_array_equal(qw.scales[:qp.scales.shape[0]], qp.scales)
