@@ -169,8 +169,9 @@ class Preset:
       >>> {r.path: (r.stored, r.computed) for r in rows if r.stored != "-"}
       {'layers/0': ('float32', 'bfloat16'), 'layers/1': ('float32', '-')}
     """
-    options = dict(float32_norms=self.float32_norms, strict=strict,
-                   enabled=enabled)
+    options: dict[str, Any] = dict(float32_norms=self.float32_norms,
+                                   strict=strict,
+                                   enabled=enabled)
     if isinstance(module, nnx.Module):
       return _nnx.mixed_precision(
           module, self.policy, rules=tuple(rules) + self.nnx_rules, **options)
