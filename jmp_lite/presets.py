@@ -81,6 +81,7 @@ from jmp_lite.linen import mixed_precision, MixedPrecision, Rule
 from jmp_lite.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from jmp_lite.low_precision import (
   kahan_summation,
+  quantized_states,
   state_dtypes,
   stochastic_rounding,
 )
@@ -126,6 +127,9 @@ class Preset:
       ``"stochastic"`` (:func:`~jmp_lite.stochastic_rounding`) or ``None``
       (plain rounding to nearest, with moments computed in half precision).
     nnx_rules: ``rules`` for ``flax.nnx`` models (nnx layer classes).
+    state_bits: ``O3`` only: 8 or 4 to store the optimizer's state
+      block-quantized (:func:`~jmp_lite.quantized_states`) instead of in
+      bfloat16; ``None``: bfloat16.
   """
 
   name: str
@@ -136,6 +140,7 @@ class Preset:
   half: np.dtype
   compensation: str | None = None
   nnx_rules: tuple[Rule, ...] = ()
+  state_bits: int | None = None
 
   def wrap(self, module: nn.Module | nnx.Module, *, rules: Sequence[Any] = (),
            strict: bool = False, enabled: bool = True
@@ -223,7 +228,10 @@ class Preset:
     and the params take their updates with Kahan compensation: 8 bytes per
     parameter with Adam (2 param, 2 compensation, 2 + 2 moments).
     ``compensation="stochastic"`` puts ``stochastic_rounding(..., seed=seed)``
-    in place of Kahan: 6 bytes per parameter. ``compensation=None`` is the
+    in place of Kahan: 6 bytes per parameter. ``state_bits=8`` (or 4) puts
+    ``quantized_states(..., bits=state_bits)`` in place of ``state_dtypes``:
+    with stochastic rounding (its default) about 4 (or 3) bytes per
+    parameter. ``compensation=None`` is the
     old pure half recipe, ``loss_scaled(inner, allow_half_state=True)`` with
     moments computed and stored in the half dtype (6 bytes; small updates
     round away), and with float16 every constant of ``inner`` must survive
@@ -259,7 +267,8 @@ class Preset:
                          allow_half_state=self.name == "O3"
                          and self.compensation is None)
     if self.name == "O3" and self.compensation is not None:
-      stored = state_dtypes(scaled, O3_STATE_DTYPE)
+      stored = (state_dtypes(scaled, O3_STATE_DTYPE) if self.state_bits is None
+                else quantized_states(scaled, bits=self.state_bits))
       if self.compensation == "kahan":
         return kahan_summation(stored)
       return stochastic_rounding(stored, seed=seed, specs=specs)
@@ -268,7 +277,8 @@ class Preset:
 
 
 def preset(level: str, half: Any = None, *,
-           compensation: str | None = "auto") -> Preset:
+           compensation: str | None = "auto",
+           state_bits: int | None = None) -> Preset:
   """Returns the named preset.
 
   :meth:`Preset.wrap` puts a Flax model (linen or nnx) under it;
@@ -287,14 +297,18 @@ def preset(level: str, half: Any = None, *,
     compensation: ``O3`` only: ``"kahan"`` (8 bytes per parameter with
       Adam), ``"stochastic"`` (6 bytes) or ``None`` (plain pure half, 6
       bytes, loses small updates). ``"auto"``: ``"kahan"`` for ``O3``,
-      ``None`` for the others.
+      ``None`` for the others; ``"stochastic"`` with ``state_bits``.
+    state_bits: ``O3`` only: 8 or 4 stores the optimizer's state in that
+      many bits per element (:func:`~jmp_lite.quantized_states`): with
+      stochastic rounding, Adam at about 4 (or 3) bytes per parameter.
 
   Returns:
     A :class:`Preset`.
 
   Raises:
-    ValueError: for an unknown level or compensation, or a compensation
-      with a level other than ``O3``.
+    ValueError: for an unknown level or compensation, a compensation or
+      ``state_bits`` with a level other than ``O3``, ``state_bits`` other
+      than 8 or 4, or ``state_bits`` with ``compensation=None``.
     TypeError: for a ``half`` that is not float16 or bfloat16.
 
   Example:
@@ -308,8 +322,19 @@ def preset(level: str, half: Any = None, *,
   name = str(level).strip().upper()
   if name not in _LEVELS:
     raise ValueError(f"Unknown preset {level!r}; expected one of {_LEVELS}")
+  if state_bits is not None:
+    if isinstance(state_bits, bool) or state_bits not in (8, 4):
+      raise ValueError(f"state_bits must be 8, 4 or None, got {state_bits!r}")
+    if name != "O3":
+      raise ValueError(
+          f"state_bits={state_bits} applies to preset 'O3', not {name!r}")
+    if compensation is None:
+      raise ValueError(
+          "state_bits needs a compensation ('stochastic' or 'kahan'):"
+          " compensation=None computes the moments in the half dtype")
   if compensation == "auto":
-    compensation = "kahan" if name == "O3" else None
+    compensation = (None if name != "O3" else
+                    "kahan" if state_bits is None else "stochastic")
   if compensation not in _COMPENSATIONS:
     raise ValueError(
         f"Unknown compensation {compensation!r}; expected one of"
@@ -333,4 +358,4 @@ def preset(level: str, half: Any = None, *,
   if name == "O2":
     return Preset(name, Policy(half, half, f32), (), True, True, half)
   return Preset(name, Policy(half, half, half), (), False, False, half,
-                compensation)
+                compensation, state_bits=state_bits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -232,3 +234,36 @@ def test_presets_wrap_nnx_models(level):
   opt.update(model, grads)
   assert_dtype(model.fc.kernel[...], stored)
   assert not np.array_equal(model.out.kernel[...], before)
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 4.1), (4, 3.1)])
+def test_o3_state_bits_is_the_quantized_recipe(bits, limit):
+  o3 = preset("O3", half="bf16", state_bits=bits)
+  assert o3.compensation == "stochastic" and o3.state_bits == bits
+  opt = o3.optimizer(optax.adam(1e-3), seed=3)
+  params = {"w": jnp.ones((16, 512), jnp.bfloat16)}
+  state: Any = opt.init(params)
+  assert isinstance(state, low_precision.StochasticRoundingState)
+  assert isinstance(state.inner_state,
+                    low_precision.QuantizedStatesState)
+  from tests.conftest import AUTO_KIND
+  assert jmp_lite.step.formulation(opt, jnp.bfloat16)[0] == AUTO_KIND
+  params, state = jax.jit(lambda p, s: jmp_lite.update_and_apply(
+      opt, jax.tree.map(jnp.ones_like, p), s, p))(params, state)
+  per_param = tree_bytes((params, state)) / (16 * 512)
+  assert per_param <= limit, per_param
+  kahan = preset("O3", half="bf16", state_bits=bits,
+                                  compensation="kahan")
+  assert isinstance(kahan.optimizer(optax.adam(1e-3)).init(params),
+                    low_precision.KahanState)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(level="O3", state_bits=3), "state_bits must be 8, 4 or None, got 3"),
+    (dict(level="O3", state_bits=True), "got True"),
+    (dict(level="O2", state_bits=8), "applies to preset 'O3', not 'O2'"),
+    (dict(level="O3", state_bits=8, compensation=None), "needs a compensation"),
+])
+def test_state_bits_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    preset(half="bf16", **kwargs)
