@@ -128,6 +128,7 @@ ELSEWHERE = {
     "jmp_lite.equinox.dtype_report": "tests/test_equinox.py",
     "jmp_lite.linen.dot_product_attention_fp32": "tests/test_linen.py",
     "jmp_lite.fp8.MXFP8": "tests/test_fp8_granularity.py",
+    "jmp_lite.fp8.all_gather": "tests/test_fp8_gather.py",
     "jmp_lite.fp8.commit": "tests/test_fp8_state.py",
     "jmp_lite.fp8.nnx.commit": "tests/test_fp8_state.py",
     "jmp_lite.fp8.quantization_health": "tests/test_fp8.py",
