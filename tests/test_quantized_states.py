@@ -400,3 +400,44 @@ def test_blocks_follow_the_last_axis():
     rows = qp.codes.shape[0]
     np.testing.assert_array_equal(qw.codes[:rows], qp.codes)
     np.testing.assert_array_equal(qw.scales[:qp.scales.shape[0]], qp.scales)
+
+
+# ---------------------------------------------------------------- fidelity
+
+
+@pytest.fixture(scope="module", params=["digits", "char_lm"])
+def fidelity_task(request, optimized_codegen):
+  """(name, train with ``FIDELITY_SETTINGS``, float32 Adam's result)."""
+  pytest.importorskip("sklearn")
+  import functools
+
+  from jmp_lite import examples
+  from tests.conftest import FIDELITY_SETTINGS
+  train = functools.partial({"digits": examples.train_digits,
+                             "char_lm": examples.train_char_lm}[request.param],
+                            **FIDELITY_SETTINGS)
+  return request.param, train, train("f32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,tolerance", [(8, 1.02), (4, 1.05)])
+@pytest.mark.parametrize("params", ["f32", "bf16"])
+def test_fidelity_against_float32_adam(fidelity_task, bits, tolerance,
+                                       params):
+  task_name, train, ref = fidelity_task
+
+  def build(adam, loss_scale):
+    opt = jmp_lite.quantized_states(jmp_lite.loss_scaled(adam, loss_scale),
+                                    bits=bits)
+    return jmp_lite.stochastic_rounding(opt) if params == "bf16" else opt
+
+  result = train(params, optimizer=build)
+  print(f"\nfidelity {task_name} {bits}-bit states, {params} params: eval"
+        f" loss {result.eval_loss:.4f} ({result.eval_loss / ref.eval_loss:.3f}x"
+        f" float32 {ref.eval_loss:.4f})")
+  assert result.skipped == 0
+  assert result.eval_loss <= tolerance * ref.eval_loss, (
+      task_name, bits, params, result.eval_loss, ref.eval_loss)
+  n_params = ref.param_bytes / 4
+  # Moments: bits / 4 bytes per parameter, plus the blocks' scales.
+  assert result.state_bytes / n_params <= bits / 4 + 0.1
