@@ -194,3 +194,34 @@ def test_multi_gpu_benchmark_runs_small_on_host_devices():
   # about an inf; the skip adds no collective.
   assert "dp: loss scaling adds none" in out.stdout
   assert out.stdout.count("| loss-scaled update_and_apply |") == 2
+
+
+@pytest.mark.slow
+def test_fp8_gather_bytes_benchmark_runs_small_on_host_devices():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/fp8_gather_bytes.py", "--width", "512",
+       "--depth", "2", "--batch", "16"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=600)
+  assert out.stdout.startswith("4 x cpu"), out.stdout
+  rows = {}
+  for line in out.stdout.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 7 and cells[0] in ("bf16", "fp8 tensor", "fp8 row",
+                                        "fp8 block", "fp8 mx"):
+      rows[cells[0]] = cells
+  assert len(rows) == 5, out.stdout
+  # Two 512x512 bf16 weights gathered once each: 2 * 512 * 512 * 2 bytes.
+  assert rows["bf16"][1:4] == ["1048576", "0", "1048576"]
+  assert rows["bf16"][5] == "bf16"
+  for name in ("fp8 tensor", "fp8 row", "fp8 block", "fp8 mx"):
+    payload, scales, total = (int(c) for c in rows[name][1:4])
+    assert payload == 2 * 512 * 512, (name, rows[name])
+    assert total == payload + scales
+    assert float(rows[name][4].rstrip("x")) <= 0.55, rows[name]
+    assert rows[name][5] == "f32", rows[name]  # the gradient's scatter
+  assert rows["fp8 tensor"][2] == "0"
+  assert int(rows["fp8 row"][2]) == 2 * 512 * 4  # a float32 per row
+  assert int(rows["fp8 mx"][2]) == 2 * 512 * 512 // 32  # a byte per block
