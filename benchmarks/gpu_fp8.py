@@ -2,7 +2,7 @@
 
 One pre-LN Transformer block (d=4096, 32 heads, GELU MLP of 4d; plain JAX,
 float32 params cast to bfloat16, attention scores and softmax in float32) is
-trained with SGD, every step jitted with its state donated, three ways:
+trained with SGD, every step jitted with its state donated, six ways:
 
 * ``bf16``: the four projections (qkv, out, up, down) as bfloat16 matmuls
   with float32 accumulation;
@@ -10,8 +10,16 @@ trained with SGD, every step jitted with its state donated, three ways:
   ``CurrentScaling`` (E4M3 forward, E5M2 cotangent);
 * ``fp8-delayed``: with ``DelayedScaling``, the scaling states threaded
   through the step and committed with ``jmp_lite.fp8.commit``.
+* ``fp8-row``, ``fp8-block``, ``fp8-mx``: finer scales, stateless like
+  ``fp8-current``: ``CurrentScaling(granularity="row")`` (one scale per
+  row), ``CurrentScaling(granularity="block")`` (DeepSeek-V3's 1x128
+  activation and 128x128 weight tiles) and ``MXFP8()`` (32-element blocks,
+  power-of-two scales). jmp_lite computes them as one FP8 dot with the
+  blocks as a batch dimension plus a float32 sum over the blocks (see
+  ``jmp_lite/fp8/_blocked.py``), not as a block-scaled GEMM kernel, so
+  their time measures that formulation on this backend.
 
-The attention score and value matmuls stay bfloat16 in all three. Printed
+The attention score and value matmuls stay bfloat16 in all six. Printed
 per variant:
 
 1. ``fp8 dots``: matmuls with FP8 operands in the program JAX hands to XLA
@@ -109,7 +117,7 @@ def block(params: dict[str, jax.Array], x: jax.Array, heads: int,
 def loss_of(params, fp8_state, x, heads: int, recipe) -> jax.Array:
   if recipe is None:
     dots = {n: bf16_dot for n in PROJECTIONS}
-  elif isinstance(recipe, fp8.CurrentScaling):
+  elif isinstance(recipe, (fp8.CurrentScaling, fp8.MXFP8)):
     dots = {n: fp8.dot_general(recipe) for n in PROJECTIONS}
   else:
     dots = {n: fp8.dot_general(recipe, fp8_state[n]) for n in PROJECTIONS}
@@ -120,8 +128,12 @@ def loss_of(params, fp8_state, x, heads: int, recipe) -> jax.Array:
 def variants(heads: int) -> dict[str, tuple[Callable, Callable, Any]]:
   """name -> (init(params) -> state, step(state, x) -> state, recipe)."""
   out = {}
-  for name, recipe in (("bf16", None), ("fp8-current", fp8.CurrentScaling()),
-                       ("fp8-delayed", fp8.DelayedScaling())):
+  for name, recipe in (
+      ("bf16", None), ("fp8-current", fp8.CurrentScaling()),
+      ("fp8-delayed", fp8.DelayedScaling()),
+      ("fp8-row", fp8.CurrentScaling(granularity="row")),
+      ("fp8-block", fp8.CurrentScaling(granularity="block")),
+      ("fp8-mx", fp8.MXFP8())):
     def init(params, recipe=recipe):
       state = ({n: recipe.init() for n in PROJECTIONS}
                if isinstance(recipe, fp8.DelayedScaling) else {})
@@ -179,7 +191,7 @@ def fp8_gemms(counts: collections.Counter[str]) -> int:
 
 def main() -> None:
   on_cpu = jax.default_backend() == "cpu"
-  parser = size_parser(__doc__.splitlines()[0],
+  parser = size_parser(str(__doc__).splitlines()[0],
                        width=128 if on_cpu else 4096, depth=1,
                        batch=2 if on_cpu else 4, steps=2 if on_cpu else 10,
                        rounds=3 if on_cpu else 5)

@@ -225,3 +225,21 @@ def test_fp8_gather_bytes_benchmark_runs_small_on_host_devices():
   assert rows["fp8 tensor"][2] == "0"
   assert int(rows["fp8 row"][2]) == 2 * 512 * 4  # a float32 per row
   assert int(rows["fp8 mx"][2]) == 2 * 512 * 512 // 32  # a byte per block
+
+
+@pytest.mark.slow
+def test_gpu_fp8_benchmark_runs_each_granularity_small_on_cpu():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/gpu_fp8.py", "--width", "32", "--seq", "8",
+       "--heads", "2", "--batch", "1", "--steps", "1", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=600)
+  rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+          if line.startswith(("bf16 ", "fp8-"))}
+  # Row, block and MX: FP8 operands in the same 12 dots as per tensor (4
+  # projections x forward, d-input, d-weight), a time against bf16's.
+  for name in ("fp8-row", "fp8-block", "fp8-mx"):
+    assert rows[name][1:3] == ["12", "0/0"], out.stdout
+    assert rows[name][-1].endswith("x") and float(rows[name][-1][:-1]) > 0
+  assert rows["bf16"][-1] == "1.00x"
