@@ -34,6 +34,12 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# Scripts the tests start in subprocesses (8 forced host devices, several
+# processes under jax.distributed): importing them in the test process, as
+# --doctest-modules would, parses their command line and initialises JAX's
+# distributed runtime there.
+collect_ignore_glob = ["multidevice/*.py", "multiprocess/*.py"]
+
 
 def multidevice_env(devices: int) -> dict[str, str]:
   """The environment of a subprocess that sees ``devices`` CPU devices.
