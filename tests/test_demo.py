@@ -243,3 +243,20 @@ def test_gpu_fp8_benchmark_runs_each_granularity_small_on_cpu():
     assert rows[name][1:3] == ["12", "0/0"], out.stdout
     assert rows[name][-1].endswith("x") and float(rows[name][-1][:-1]) > 0
   assert rows["bf16"][-1] == "1.00x"
+
+
+@pytest.mark.slow
+def test_fp8_granularity_plot_runs(tmp_path):
+  pytest.importorskip("matplotlib")
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/fp8_granularity_plot.py", "--out",
+       str(tmp_path / "plot.png")],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=300)
+  medians = {line[:12].strip(): float(line.split()[-1])
+             for line in out.stdout.splitlines() if "median" in line}
+  assert set(medians) == {"per tensor", "per row", "block 128", "MXFP8 (32)"}
+  for fine in ("per row", "block 128", "MXFP8 (32)"):
+    assert medians[fine] < medians["per tensor"] / 5, medians
+  assert (tmp_path / "plot.png").stat().st_size > 10_000
