@@ -166,8 +166,8 @@ class MXFP8:
   """Elements per block (fixed by the OCP MX specification)."""
 
   margin: ClassVar[int] = 0
-  """Always 0: the scale exponent rule sets the headroom (shared code paths
-  read it)."""
+  """The headroom, always 0 (the scale exponent rule sets it); shared code
+  paths read it."""
 
   def __post_init__(self) -> None:
     for name in ("fwd_dtype", "bwd_dtype"):
