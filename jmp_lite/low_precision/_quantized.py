@@ -373,7 +373,7 @@ def quantized_states(
     >>> params = optax.apply_updates(params, updates)
     >>> bytes_ = jmp_lite.diagnostics.tree_bytes((params, state))
     >>> round(bytes_ / 4096, 2)  # params 2, moments 1 + 1, scales
-    4.03
+    4.04
   """
   check_transformation(inner, "quantized_states")
   bits = _check_int(bits, "bits", 1)
