@@ -1,8 +1,10 @@
 """Bytes per parameter and bytes moved per step of low-precision optimizers.
 
 Builds one Flax MLP train step (Adam) per optimizer variant: float32 Adam,
-O2 master weights, pure bfloat16 Adam, and bfloat16 params with
-``kahan_summation`` / ``stochastic_rounding`` and ``state_dtypes``. For each:
+O2 master weights, pure bfloat16 Adam, bfloat16 params with
+``kahan_summation`` / ``stochastic_rounding`` and ``state_dtypes``, and
+stochastic rounding over ``quantized_states`` (8 and 4 bits), by hand and as
+``preset("O3", half="bf16", state_bits=8 | 4)``. For each:
 
 * bytes per parameter of params + optimizer state, summed over the actual
   pytrees after a step;
@@ -33,6 +35,7 @@ import optax
 
 import jmp_lite
 from _common import bytes_accessed, interleaved_seconds, size_parser
+from jmp_lite.presets import preset
 
 BASE = "pure bf16 Adam"
 
@@ -41,7 +44,8 @@ def build_variants(lr: float) -> dict[str, tuple[Any, Callable[[], Any]]]:
   """name -> (param dtype, optimizer factory)."""
   adam = lambda: optax.adam(lr)
   kahan, sr = jmp_lite.kahan_summation, jmp_lite.stochastic_rounding
-  sd = jmp_lite.state_dtypes
+  sd, qs = jmp_lite.state_dtypes, jmp_lite.quantized_states
+  o3 = lambda bits: preset("O3", half="bf16", state_bits=bits)
   bf16 = jnp.bfloat16
   return {
       "f32 Adam": (jnp.float32, adam),
@@ -58,6 +62,15 @@ def build_variants(lr: float) -> dict[str, tuple[Any, Callable[[], Any]]]:
       "bf16 + SR + state_dtypes(bf16)": (bf16, lambda: sr(sd(adam(), "bf16"))),
       "bf16 + SR + state_dtypes(bf16, stochastic)": (
           bf16, lambda: sr(sd(adam(), "bf16", rounding="stochastic"))),
+      # Issue 31: Adam's moments block-quantized, about 4 (3) bytes/param.
+      "bf16 + SR + quantized_states(8 bits)": (
+          bf16, lambda: sr(qs(adam(), bits=8))),
+      "bf16 + SR + quantized_states(4 bits)": (
+          bf16, lambda: sr(qs(adam(), bits=4))),
+      "preset O3 bf16 state_bits=8": (
+          bf16, lambda: o3(8).optimizer(adam())),
+      "preset O3 bf16 state_bits=4": (
+          bf16, lambda: o3(4).optimizer(adam())),
   }
 
 
@@ -82,7 +95,7 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-  parser = size_parser(__doc__.splitlines()[0], width=1024, depth=4,
+  parser = size_parser((__doc__ or "").splitlines()[0], width=1024, depth=4,
                        batch=256)
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
@@ -92,13 +105,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   device = jax.devices()[0]
 
   full, stats, states = {}, {}, {}
-  n_params = None
+  # Every variant's MLP has the same parameter count, whatever its dtype.
+  n_params = sum(p.size for p in jax.tree.leaves(jax.eval_shape(
+      MLP(args.width, args.depth, jnp.float32).init, jax.random.key(0), x)))
   for name, (dtype, make) in variants.items():
     model = MLP(args.width, args.depth, dtype)
     opt = make()
     params = model.init(jax.random.key(0), x)
-    if n_params is None:
-      n_params = sum(p.size for p in jax.tree.leaves(params))
     loss = lambda p, x, y, model=model: jnp.mean((model.apply(p, x) - y) ** 2)
 
     def step(state, x, y, opt=opt, loss=loss):

@@ -123,8 +123,41 @@ def test_gpu_step_benchmark_runs_small_on_cpu():
           "plain": "0", "update_and_apply cond": "1",
           "update_and_apply select": "0", "update cond": "1",
           "update select": "0"}, out.stdout
+  # Issue 31's 8-bit recipe runs too (float16 compute, dynamic loss
+  # scaling), its guard one cond on the CPU.
+  assert out.stdout.count("| 8-bit states + SR, bf16 params |") == 1
+  assert rows["8-bit states + SR, bf16 params"][2].strip() == "1"
   assert "f16, update_and_apply: " in out.stdout
   assert "skip_with='auto' compiles to 'cond' here" in out.stdout
+
+
+@pytest.mark.slow   # a benchmark script in a subprocess: about 30 s
+def test_optimizer_memory_benchmark_runs_small():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/optimizer_memory.py", "--width", "64",
+       "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+  rows = {line.split("|")[1].strip(): [float(c) for c in
+                                       line.split("|")[2:-1]]
+          for line in out.stdout.splitlines()
+          if line.startswith("| ")
+          and not line.startswith(("| variant", "| ---"))}
+  # Columns: pytrees, resident, peak, extra full, extra update, time.
+  assert rows["f32 Adam"][:2] == [12.0, 12.0]
+  assert rows["pure bf16 Adam"][:2] == [6.0, 6.0]
+  assert rows["pure bf16 Adam"][3:5] == [0.0, 0.0]
+  assert rows["bf16 + SR"][:2] == [6.0, 6.0]
+  # Issue 31: Adam at about 4 (8-bit) and 3 (4-bit) bytes per parameter,
+  # by hand and through the O3 preset, held as the pytrees and as the
+  # donated step's resident arguments.
+  for name, bound in (("bf16 + SR + quantized_states(8 bits)", 4.1),
+                      ("preset O3 bf16 state_bits=8", 4.1),
+                      ("bf16 + SR + quantized_states(4 bits)", 3.1),
+                      ("preset O3 bf16 state_bits=4", 3.1)):
+    tree, resident, peak = rows[name][:3]
+    assert tree <= bound and resident <= bound, (name, rows[name])
+    assert peak >= resident, (name, rows[name])
 
 
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
