@@ -1088,3 +1088,59 @@ def test_nested_policy_in_setup_reports_its_own_modules():
   assert rows["head"].computed == "bfloat16" and rows[""].computed == "-"
   assert not report.mismatches()
   assert set(model.policy_for(variables, x)) == {"", "backbone", "head"}
+
+
+class _NormBetween(nn.Module):
+  """Dense -> LayerNorm -> Dense, the norm's input shaped (4, 16) alone."""
+
+  hand: bool = False  # The policy's layout written out with dtype= and remat.
+
+  @nn.compact
+  def __call__(self, x):
+    dtype = jnp.bfloat16 if self.hand else None
+    h = nn.Dense(16, dtype=dtype)(x.astype(dtype) if self.hand else x)
+    if self.hand:
+      h = nn.remat(nn.LayerNorm)(dtype=jnp.float32)(h).astype(dtype)
+    else:
+      h = nn.LayerNorm()(h)
+    out = nn.Dense(12, dtype=dtype)(h)
+    return out.astype(jnp.float32) if self.hand else out
+
+
+def _residuals(apply, params, x):
+  """The arrays the backward pass keeps (the vjp's closure), params aside."""
+  _, vjp_fn = jax.vjp(lambda p: apply({"params": p}, x), params)
+  given = {id(p) for p in jax.tree.leaves(params)}
+  return [r for r in jax.tree.leaves(vjp_fn)
+          if hasattr(r, "dtype") and id(r) not in given
+          and r.dtype != jax.dtypes.float0]
+
+
+def test_remat_norms_saves_the_norms_bfloat16_input():
+  """remat_norms saved the norm's input after its cast to float32: the
+  cast now runs inside the recomputed region, so the backward pass keeps
+  the bfloat16 input, byte for byte what a hand-written nn.remat keeps."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)),
+                  jnp.float32)
+  saved = {}
+  for remat in (False, True):
+    model = jl.mixed_precision(_NormBetween(), "p=f32,c=bf16,o=f32",
+                               remat_norms=remat)
+    params = model.init(jax.random.key(0), x)["params"]
+    saved[remat] = _residuals(model.apply, params, x)
+  hand = _NormBetween(hand=True)
+  hand_saved = _residuals(hand.apply,
+                          hand.init(jax.random.key(0), x)["params"], x)
+
+  def norm_inputs(rs):
+    return sorted(str(r.dtype) for r in rs if r.shape == (4, 16))
+
+  # Without remat the norm keeps float32 intermediates of its input's shape.
+  assert "float32" in norm_inputs(saved[False])
+  # With it: the norm's input and the next Dense's, both bfloat16.
+  assert norm_inputs(saved[True]) == ["bfloat16", "bfloat16"]
+  assert sorted((r.shape, str(r.dtype)) for r in saved[True]) == sorted(
+      (r.shape, str(r.dtype)) for r in hand_saved)
+  nbytes = lambda rs: sum(r.size * r.dtype.itemsize for r in rs)
+  assert nbytes(saved[True]) == nbytes(hand_saved)
+  assert nbytes(saved[True]) < nbytes(saved[False])

@@ -1007,3 +1007,57 @@ def test_layers_scanned_inside_the_model_run_under_the_policy():
   rows = {r.path: r for r in jnnx.dtype_report(model, x).rows}
   assert rows["blocks"].computed == "bfloat16"
   assert rows["norm"].computed == "-" and rows["norm"].read == "float32"
+
+
+class _NormBetween(nnx.Module):
+  """Linear -> LayerNorm -> Linear, the norm's input shaped (4, 16) alone."""
+
+  def __init__(self, rngs, hand=False):
+    # hand: the policy's layout written out with dtype= and nnx.remat.
+    dtype = jnp.bfloat16 if hand else None
+    self.hand = hand
+    self.a = nnx.Linear(8, 16, dtype=dtype, rngs=rngs)
+    self.ln = nnx.LayerNorm(16, dtype=jnp.float32 if hand else None,
+                            rngs=rngs)
+    self.b = nnx.Linear(16, 12, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    if not self.hand:
+      return self.b(self.ln(self.a(x)))
+    h = self.a(x.astype(jnp.bfloat16))
+    h = nnx.remat(lambda m, h: m(h))(self.ln, h).astype(jnp.bfloat16)
+    return self.b(h).astype(jnp.float32)
+
+
+def test_remat_norms_saves_the_norms_bfloat16_input():
+  """remat_norms saved the norm's input after its cast to float32: the
+  cast now runs inside the recomputed region, so the backward pass keeps
+  the bfloat16 input, what a hand-written nnx.remat keeps."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)),
+                  jnp.float32)
+
+  def residuals(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    _, vjp_fn = jax.vjp(
+        lambda p: nnx.merge(graphdef, p, rest)(x), params)
+    given = {id(p) for p in jax.tree.leaves(params)}
+    return [r for r in jax.tree.leaves(vjp_fn)
+            if hasattr(r, "dtype") and id(r) not in given
+            and r.dtype != jax.dtypes.float0]
+
+  saved = {remat: residuals(jnnx.mixed_precision(
+      _NormBetween(nnx.Rngs(0)), "p=f32,c=bf16,o=f32", remat_norms=remat))
+           for remat in (False, True)}
+  hand_saved = residuals(_NormBetween(nnx.Rngs(0), hand=True))
+
+  def norm_inputs(rs):
+    return sorted(str(r.dtype) for r in rs if r.shape == (4, 16))
+
+  # Without remat the norm keeps float32 intermediates of its input's shape.
+  assert "float32" in norm_inputs(saved[False])
+  # With it: the norm's input and the next Linear's, both bfloat16.
+  assert norm_inputs(saved[True]) == ["bfloat16", "bfloat16"]
+  assert sorted((r.shape, str(r.dtype)) for r in saved[True]) == sorted(
+      (r.shape, str(r.dtype)) for r in hand_saved)
+  nbytes = lambda rs: sum(r.size * r.dtype.itemsize for r in rs)
+  assert nbytes(saved[True]) < nbytes(saved[False])

@@ -255,9 +255,11 @@ def interceptor(call: Call) -> Callable[..., Any]:
     cast_args, cast_kwargs = _rules.cast_inputs((args, kwargs),
                                                 policy.compute_dtype)
     if path in call.rematting:
-      # The inner call of a recomputed island: the outer call cast already.
+      # The inner call of a recomputed island casts its inputs itself: the
+      # cast is recomputed too, so the backward pass saves the input as
+      # given (bfloat16), not its float32 copy.
       call.rematting.discard(path)
-      return _run_layer(module, resolved, next_fun, args, kwargs)
+      return _run_layer(module, resolved, next_fun, cast_args, cast_kwargs)
     scope = (call.recorder.scope(path, type(module), policy, resolved.fp8)
              if call.recorder is not None else contextlib.nullcontext())
     output = resolved.output
@@ -272,7 +274,7 @@ def interceptor(call: Call) -> Callable[..., Any]:
           call.rematting.add(path)
           method = context.method_name
           out = nn.remat(lambda m, *a, **k: getattr(m, method)(*a, **k))(
-              module, *cast_args, **cast_kwargs)
+              module, *args, **kwargs)
         else:
           out = _run_layer(module, resolved, next_fun, cast_args,
                            cast_kwargs)

@@ -124,13 +124,21 @@ def invoke(module: Any, slot: Slot, method: str, args: tuple, kwargs: dict,
   def run(m: Any, *a: Any) -> Any:
     return getattr(m, method)(*a, **cast_kwargs)
 
+  given = cast_args
   if slot.remat:
-    run = nnx.remat(run)
+    # The cast is recomputed with the island, so that the backward pass
+    # saves the input as given (bfloat16), not its float32 copy.
+    def cast_then_run(m: Any, *a: Any) -> Any:
+      a, k = _rules.cast_inputs((a, kwargs), policy.compute_dtype)
+      return getattr(m, method)(*a, **k)
+
+    run = nnx.remat(cast_then_run)
+    given = args
   recorder = slot.recorder
   scope = (contextlib.nullcontext() if recorder is None else
            recorder.scope(slot.path, type(module), policy, slot.resolved.fp8))
   with scope:
-    out = run(module, *cast_args)
+    out = run(module, *given)
   if method not in slot.state_methods:
     out = _outputs.keep_state(
         out, lambda o: _rules.cast_outputs(o, output, args, carry=not entry),
