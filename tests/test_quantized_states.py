@@ -531,12 +531,6 @@ def test_fidelity_against_float32_adam(fidelity_task, bits, tolerance,
   assert result.state_bytes / n_params <= bits / 4 + 0.1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_quantized.py reads the static global QuantizedArray.shape "
-    "where shard_map gives local shards (dequantize, random_bits, "
-    "_state_specs, the requantized leaf's shape); with those four lines "
-    "fixed the script passes bit for bit, see the issue 31 report")
 def test_sharded_codes_equal_the_unsharded_run():
   """Params split by rows on 4 devices, stepped under ``jax.shard_map``
   with ``specs=`` and under ``jax.jit`` with sharded inputs: params, codes

@@ -23,6 +23,7 @@ up or down at random so that the decoded value is unbiased (``mu``; for
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -240,13 +241,16 @@ def dequantize(q: QuantizedArray) -> jax.Array:
     >>> dequantize(q)
     Array([4., 1.], dtype=float32)
   """
-  n = q.shape[-1]
+  # Under shard_map the codes are a shard along the leading axes while
+  # ``q.shape`` stays the global shape: use the local one.
+  shape = (*q.codes.shape[:-1], q.shape[-1])
+  n = shape[-1]
   codes = q.codes
   if q.bits == 4:
     codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
         *codes.shape[:-1], -1)[..., :n]
   k = codes.astype(F32)
-  scale = _per_element(q.scales, q.shape, q.block_size)
+  scale = _per_element(q.scales, shape, q.block_size)
   if q.signed:
     top = 2 ** (q.bits - 1) - 1
     signed_k = k - top
@@ -276,8 +280,9 @@ def _state_specs(specs: Any, params: Any, stored: list[Any]) -> list[Any]:
   for p, spec in zip(jax.tree.leaves(params),
                      specs_per_leaf(specs, params, "params"), strict=True):
     by_shape.setdefault(tuple(p.shape), spec)
-  return [by_shape.get(tuple(x.shape)) if _is_quantized(x) else None
-          for x in stored]
+  # Under shard_map the params are local shards: match their local shape.
+  return [by_shape.get((*x.codes.shape[:-1], x.shape[-1]))
+          if _is_quantized(x) else None for x in stored]
 
 
 def _check_int(value: Any, what: str, low: int) -> int:
@@ -311,7 +316,8 @@ def quantized_states(
   along the last axis. Blocks follow the last axis so that a param sharded
   along its leading axes keeps each block within a shard (under ``jax.jit``
   the codes take the param's sharding; under ``shard_map`` each shard's
-  blocks are the whole array's: no specs to pass), and a last axis that is
+  blocks are the whole array's, and with ``rounding="stochastic"`` pass
+  ``specs=`` so each shard draws its own bits), and a last axis that is
   not a multiple of ``block_size`` ends in a partial block. A last axis ``n``
   shorter than a block takes ``block_size // n`` whole rows per block (a
   shard then keeps its blocks when it holds a multiple of that many rows).
@@ -441,11 +447,13 @@ def quantized_states(
         noise = None
         if rounding == "stochastic":
           # Uniform in [0, 1): 24 random bits, each element its own.
-          noise = (random_bits(key, i, old.shape, leaf_specs[i]) >> 8
+          noise = (random_bits(key, i, new.shape, leaf_specs[i]) >> 8
                    ).astype(F32) * 2.0**-24
         fresh = quantize(new, bits=old.bits, block_size=old.block_size,
                          signed=old.signed, power=old.power,
                          scale_dtype=old.scales.dtype, noise=noise)
+        # Keep the static (global) shape: quantize saw the local shard.
+        fresh = dataclasses.replace(fresh, shape=old.shape)
         return jax.tree.map(lambda a, b: jnp.where(applied, a, b), fresh, old)
 
       new_leaves = treedef.flatten_up_to(new_inner)
