@@ -320,6 +320,15 @@ runs = {
     "bf16 + stochastic rounding": (
         "bf16", {"optimizer": lowp("stochastic", "bf16")}),
 }
+
+def quantized(bits):
+  # Adam's moments in 8 or 4 bits per element, bf16 params rounded at random.
+  return lambda adam, loss_scale: jmp_lite.stochastic_rounding(
+      jmp_lite.quantized_states(jmp_lite.loss_scaled(adam, loss_scale),
+                                bits=bits))
+
+runs["bf16 + SR, 8-bit states"] = ("bf16", {"optimizer": quantized(8)})
+runs["bf16 + SR, 4-bit states"] = ("bf16", {"optimizer": quantized(4)})
 results = {name: examples.train_digits(policy, lr=3e-4, steps=300, **kw)
            for name, (policy, kw) in runs.items()}
 n_params = results["float32"].param_bytes / 4
@@ -338,8 +347,11 @@ fig.tight_layout()"""),
 Plain pure bfloat16 falls behind as soon as Adam's steps shrink below half
 an ulp of the weights; Kahan summation (8 bytes per parameter: param,
 compensation, two moments) and stochastic rounding (6 bytes) follow float32,
-at less than half of O2's 14 bytes. The `O3` preset builds the Kahan recipe
-(or, with `compensation="stochastic"`, the stochastic one):"""),
+at less than half of O2's 14 bytes; with Adam's moments block-quantized
+(`jmp_lite.quantized_states`, 8 or 4 bits per element) stochastic rounding
+holds about 4 (or 3) bytes per parameter and still follows float32. The
+`O3` preset builds the Kahan recipe (or, with `compensation="stochastic"`,
+the stochastic one; with `state_bits=8`, the quantized one):"""),
         ("code", """\
 from jmp_lite.presets import preset
 
