@@ -68,6 +68,8 @@ def forwarding(init: Any, rebind: Any, inner: optax.GradientTransformation,
 
 
 def update_dtype(p: Any, wide: np.dtype) -> np.dtype:
+  """The dtype of the updates handed on for param ``p``: ``wide``, or the
+  param's own FP8 dtype."""
   # Updates of half params are exact in float32; FP8 params need FP8 ones
   # (JAX adds no float32 update to them).
   return np.dtype(p.dtype) if np.dtype(p.dtype).itemsize == 1 else wide

@@ -50,6 +50,7 @@ def _mix(x: jax.Array) -> jax.Array:
 
 
 def step_key(seed: jax.Array, count: jax.Array) -> jax.Array:
+  """This step's 32-bit key, from the stream's seed and step counter."""
   return _mix(_mix(jnp.asarray(seed, jnp.uint32) ^ _C0)
               ^ jnp.asarray(count, jnp.uint32))
 

@@ -23,6 +23,8 @@ from jmp_lite.transforms._config import GuardConfig
 
 
 class Counters(NamedTuple):
+  """A guard's skip counters after one step (int32, int32, bool)."""
+
   total_skips: jax.Array
   consecutive_skips: jax.Array
   last_finite: jax.Array
