@@ -109,6 +109,7 @@ def state_shardings(optimizer: optax.GradientTransformation,
     where ``jax.jit`` puts it: with the params).
 
   Raises:
+    TypeError: if ``optimizer`` is not a gradient transformation.
     ValueError: if the params are on more than one mesh.
 
   Example:
