@@ -7,8 +7,6 @@ from typing import Any
 
 import jax
 
-from jmp_lite._checks import check_axis_name as check_axis_name
-
 _SKIP_WITH = ("auto", "cond", "select")
 
 

@@ -11,7 +11,12 @@ import optax
 
 from jmp_lite import _jaxpr, contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_bool, check_own_state, check_transformation
+from jmp_lite._checks import (
+  check_axis_name,
+  check_bool,
+  check_own_state,
+  check_transformation,
+)
 from jmp_lite._nonfinite import nonfinite_counts
 from jmp_lite._skipping import reduce_finite
 from jmp_lite._trees import copy_arrays, half_precision_leaves
@@ -24,7 +29,6 @@ from jmp_lite.loss_scale import (
 )
 from jmp_lite.policy import get_policy, Policy
 from jmp_lite.transforms._config import (
-  check_axis_name,
   check_skip_with,
   GuardConfig,
 )

@@ -9,11 +9,15 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import contract, struct
-from jmp_lite._checks import check_count, check_own_state, check_transformation
+from jmp_lite._checks import (
+  check_axis_name,
+  check_count,
+  check_own_state,
+  check_transformation,
+)
 from jmp_lite._skipping import reduce_finite
 from jmp_lite.finite import all_finite
 from jmp_lite.transforms._config import (
-  check_axis_name,
   check_skip_with,
   GuardConfig,
 )
