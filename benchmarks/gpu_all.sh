@@ -7,7 +7,9 @@
 # DIR/<script>.txt holds each script's tables, DIR/hlo/ the compiled HLO of
 # every train-step variant (to read fusions, copies and conditionals later,
 # without the accelerator). A script that fails does not stop the others; the
-# exit status says whether any failed.
+# exit status says whether any failed. GPU_ALL_LIMIT=SECONDS stops each script
+# after that long (for a leased machine's short budget; default: no limit),
+# ROUNDS=N sets every script's interleaved timing rounds.
 set -uo pipefail
 if [ $# -ne 1 ]; then
   echo "usage: bash benchmarks/gpu_all.sh DIR" >&2
@@ -23,7 +25,8 @@ run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
   local name=$1 start=$SECONDS
   shift
   echo "== python $name.py $*"
-  if ! python3 "$name.py" "$@" 2>&1 | tee "$out/$name.txt"; then
+  if ! timeout "${GPU_ALL_LIMIT:-0}" python3 "$name.py" "$@" 2>&1 \
+      | tee "$out/$name.txt"; then
     failed+=("$name")
   fi
   echo "[$name: $((SECONDS - start)) s]"
@@ -32,10 +35,11 @@ run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax",
 flax.__version__, "optax", optax.__version__, jax.devices())'
 # The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
-run gpu_step --dump "$out/hlo" --rounds 15
-run loss_scaling_overhead --width 4096 --depth 3 --batch 512 --rounds 9
-run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds 9
-run gpu_fp8 --dump "$out/hlo"
+run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9}
+run gpu_fp8 --dump "$out/hlo" --rounds ${ROUNDS:-5}
+run fp8_native_probe --rounds ${ROUNDS:-5}
+run gpu_step --dump "$out/hlo" --rounds ${ROUNDS:-15}
+run loss_scaling_overhead --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9}
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "failed: ${failed[*]}" >&2

@@ -23,7 +23,8 @@ The attention score and value matmuls stay bfloat16 in all six. Printed
 per variant:
 
 1. ``fp8 dots``: matmuls with FP8 operands in the program JAX hands to XLA
-   (StableHLO ``dot_general`` with ``f8E4M3FN``/``f8E5M2`` operands), and
+   (StableHLO ``dot_general`` with ``f8E4M3FN``/``f8E5M2`` operands, or
+   MX's ``xla.scaled_dot`` composite of FP8 operands and E8M0 scales), and
    ``gemms f8/all``: the GEMMs XLA actually emitted with FP8 operands, out
    of all its GEMMs (cuBLAS/cuBLASLt custom calls and Triton GEMM fusions in
    the compiled HLO: 0/0 on the CPU, which converts FP8 to float32 around
@@ -47,6 +48,7 @@ import collections
 import pathlib
 import re
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -153,8 +155,15 @@ def variants(heads: int) -> dict[str, tuple[Callable, Callable, Any]]:
 
 
 def fp8_dot_count(lowered_text: str) -> int:
-  return sum(1 for line in lowered_text.splitlines()
-             if "stablehlo.dot_general" in line and "f8E" in line)
+  """FP8 ``dot_general``s plus MX's block-scaled dots (``xla.scaled_dot``
+  composites of FP8 operands; the dot inside their decomposition, on
+  dequantised values, is not counted)."""
+  count = 0
+  for line in lowered_text.splitlines():
+    dot = ("stablehlo.dot_general" in line
+           or 'stablehlo.composite "xla.scaled_dot"' in line)
+    count += dot and ("f8E4M3FN" in line or "f8E5M2" in line)
+  return count
 
 
 _GEMM = re.compile(r'custom_call_target="__cublas[^"]*"'
@@ -215,6 +224,7 @@ def main() -> None:
   specs = variants(heads)
   rows, compiled, states = [], {}, {}
   for name, (init, step, recipe) in specs.items():
+    start = time.perf_counter()
     state = init(jax.tree.map(lambda p: p.copy(), params))
     lowered = jax.jit(step, donate_argnums=0).lower(state, x)
     compiled[name] = lowered.compile()
@@ -231,6 +241,10 @@ def main() -> None:
     # Two warm-up steps, as the timed loop runs them (state donated).
     states[name] = jax.block_until_ready(
         compiled[name](compiled[name](state, x), x))
+    # Progress as it goes: a run cut short by a time limit still says how
+    # far it got.
+    print(f"compiled and warmed up {name} in"
+          f" {time.perf_counter() - start:.1f} s", flush=True)
   times = interleaved_seconds(
       {n: (lambda s, f=compiled[n]: f(s, x)) for n in specs}, states,
       n_steps=args.steps, rounds=args.rounds)

@@ -18,6 +18,11 @@ stochastic rounding over ``quantized_states`` (8 and 4 bits), by hand and as
   size, for the full step and for the optimizer update + apply alone;
 * the wall-clock ratio to pure bfloat16 Adam, timed interleaved.
 
+Every variant steps with ``opt.update`` + ``optax.apply_updates``; the
+rows marked ``[update_and_apply]`` step the same optimizer with
+``jmp_lite.update_and_apply`` (the O3 presets and their hand-written
+recipes, whose guard ``update_and_apply`` decides with one branch).
+
 Run: ``python benchmarks/optimizer_memory.py`` (``--help`` for sizes).
 """
 
@@ -38,6 +43,7 @@ from _common import bytes_accessed, interleaved_seconds, size_parser
 from jmp_lite.presets import preset
 
 BASE = "pure bf16 Adam"
+UAA = " [update_and_apply]"
 
 
 def build_variants(lr: float) -> dict[str, tuple[Any, Callable[[], Any]]]:
@@ -67,10 +73,20 @@ def build_variants(lr: float) -> dict[str, tuple[Any, Callable[[], Any]]]:
           bf16, lambda: sr(qs(adam(), bits=8))),
       "bf16 + SR + quantized_states(4 bits)": (
           bf16, lambda: sr(qs(adam(), bits=4))),
+      "preset O3 bf16 (Kahan)": (bf16, lambda: o3(None).optimizer(adam())),
       "preset O3 bf16 state_bits=8": (
           bf16, lambda: o3(8).optimizer(adam())),
       "preset O3 bf16 state_bits=4": (
           bf16, lambda: o3(4).optimizer(adam())),
+      # The same optimizers, stepped by update_and_apply.
+      "bf16 + Kahan + state_dtypes(bf16)" + UAA: (
+          bf16, lambda: kahan(sd(adam(), "bf16"))),
+      "bf16 + SR + quantized_states(8 bits)" + UAA: (
+          bf16, lambda: sr(qs(adam(), bits=8))),
+      "preset O3 bf16 (Kahan)" + UAA: (
+          bf16, lambda: o3(None).optimizer(adam())),
+      "preset O3 bf16 state_bits=8" + UAA: (
+          bf16, lambda: o3(8).optimizer(adam())),
   }
 
 
@@ -114,16 +130,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     params = model.init(jax.random.key(0), x)
     loss = lambda p, x, y, model=model: jnp.mean((model.apply(p, x) - y) ** 2)
 
-    def step(state, x, y, opt=opt, loss=loss):
+    uaa = name.endswith(UAA)
+
+    def apply(state, grads, opt=opt, uaa=uaa):
       params, opt_state = state
-      grads = jax.grad(loss)(params, x, y)
+      if uaa:
+        return jmp_lite.update_and_apply(opt, grads, opt_state, params)
       updates, opt_state = opt.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    def apply(state, grads, opt=opt):
-      params, opt_state = state
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+    def step(state, x, y, apply=apply, loss=loss):
+      return apply(state, jax.grad(loss)(state[0], x, y))
 
     state = (params, opt.init(params))
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)

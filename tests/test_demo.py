@@ -158,6 +158,12 @@ def test_optimizer_memory_benchmark_runs_small():
     tree, resident, peak = rows[name][:3]
     assert tree <= bound and resident <= bound, (name, rows[name])
     assert peak >= resident, (name, rows[name])
+  # The O3 preset's guard, stepped by update_and_apply, costs its recipe's
+  # bytes plus one read of the gradients (the finiteness check; plus a few
+  # scalars at this size) in the optimizer step.
+  guard = (rows["preset O3 bf16 (Kahan) [update_and_apply]"][4]
+           - rows["bf16 + Kahan + state_dtypes(bf16) [update_and_apply]"][4])
+  assert 0.9 <= guard <= 1.2, guard
 
 
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
@@ -276,6 +282,23 @@ def test_gpu_fp8_benchmark_runs_each_granularity_small_on_cpu():
     assert rows[name][1:3] == ["12", "0/0"], out.stdout
     assert rows[name][-1].endswith("x") and float(rows[name][-1][:-1]) > 0
   assert rows["bf16"][-1] == "1.00x"
+
+
+@pytest.mark.slow
+def test_fp8_native_probe_runs_small_on_cpu():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/fp8_native_probe.py", "--size", "64",
+       "--steps", "1", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=300)
+  rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")]
+          for line in out.stdout.splitlines() if line.startswith("| ")}
+  for name in ("jmp_lite MXFP8", "jmp_lite row", "jmp_lite block"):
+    assert rows[name][2] == "yes", out.stdout
+    assert 0.01 < float(rows[name][5]) < 0.1, rows[name]  # E4M3's error.
+  # JAX's own MX matmul either runs or says why not.
+  assert rows["jax.nn mxfp8 (default)"][2].startswith(("yes", "no: "))
 
 
 @pytest.mark.slow

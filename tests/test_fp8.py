@@ -30,13 +30,15 @@ MATMUL = (((1,), (0,)), ((), ()))
 
 
 def dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
-  """(lhs, rhs) dtype names of every dot_general, sub-jaxprs included."""
+  """(lhs, rhs) dtype names of every dot_general and scaled_dot (MX blocks'
+  block-scaled dot), sub-jaxprs included."""
   found = []
 
   def walk(j):
     for eqn in j.eqns:
-      if eqn.primitive.name == "dot_general":
-        found.append(tuple(np.dtype(v.aval.dtype).name for v in eqn.invars))
+      if eqn.primitive.name in ("dot_general", "scaled_dot"):
+        found.append(tuple(np.dtype(v.aval.dtype).name
+                           for v in eqn.invars[:2]))
       for sub in jex.jaxprs_in_params(eqn.params):
         walk(sub)
 

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from jmp_lite import fp8
-from jmp_lite.fp8._blocked import Layout, mx_exponent, quantize_blocks
+from jmp_lite.fp8._blocked import (
+  batched_dot,
+  Layout,
+  looped_dot,
+  mx_exponent,
+  quantize_blocks,
+  scaled_dot,
+)
 from tests.test_fp8 import dot_operand_dtypes, MATMUL, normal, rel_err
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -157,6 +164,44 @@ def test_mx_quantize_dequantize_matches_an_ocp_reference(rounding):
                                 ocp_mx_reference(x, rounding))
 
 
+@pytest.mark.parametrize("lhs_dtype", [E4M3, np.dtype(jnp.float8_e5m2)])
+def test_mx_block_scaled_dot_equals_the_batched_formulation(lhs_dtype):
+  # MX goes through XLA's block-scaled dot; its numbers must be those of one
+  # FP8 product per block, de-scaled and summed in float32 (the order of
+  # the float32 sums aside), on a contracting size that needs padding, with
+  # blocks scaled from 2**-100 to 2**100.
+  rng = np.random.default_rng(5)
+  a = (rng.standard_normal((2, 12, 72))
+       * 2.0 ** rng.integers(-100, 100, (2, 12, 1))).astype(np.float32)
+  b = rng.standard_normal((2, 9, 72)).astype(np.float32)
+  qa, ia = quantize_blocks(jnp.asarray(a), Layout("mx", lhs_dtype, bs=32))
+  qb, ib = quantize_blocks(jnp.asarray(b), Layout("mx", E4M3, bs=32))
+  got = np.asarray(jax.jit(scaled_dot)(qa, ia, qb, ib), np.float64)
+  want = np.asarray(jax.jit(batched_dot)(qa, ia, qb, ib), np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+  a[1, 4, 40] = np.inf  # A non-finite block: its row comes back NaN.
+  qa, ia = quantize_blocks(jnp.asarray(a), Layout("mx", lhs_dtype, bs=32))
+  got = np.asarray(scaled_dot(qa, ia, qb, ib))
+  assert np.isnan(got[1, 4]).all()
+  assert np.isfinite(np.delete(got[1], 4, 0)).all()
+
+
+def test_block_by_block_loop_equals_the_batched_formulation():
+  # "block" sums its blocks in a scan (one float32 accumulator); the numbers
+  # are the batched dot's, summation order aside, edge tiles included.
+  rng = np.random.default_rng(6)
+  a = rng.standard_normal((2, 40, 200)).astype(np.float32)
+  b = (rng.standard_normal((2, 24, 200))
+       * 2.0 ** rng.integers(-20, 20, (2, 24, 1))).astype(np.float32)
+  qa, ia = quantize_blocks(jnp.asarray(a), Layout("vector", E4M3, bs=64))
+  qb, ib = quantize_blocks(jnp.asarray(b), Layout("square", E4M3, bs=64))
+  assert qa.shape[2] == 4  # 200 = 3 whole blocks and a padded one.
+  got = np.asarray(jax.jit(looped_dot)(qa, ia, qb, ib), np.float64)
+  want = np.asarray(jax.jit(batched_dot)(qa, ia, qb, ib), np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=1e-6 * np.abs(want).max())
+
+
 # ----------------------------------------------------------------- numerics
 
 def outlier_operands(seed=0):
@@ -208,8 +253,14 @@ def test_forward_and_backward_dots_take_8_bit_operands(name):
   assert len(found) == 3  # Forward, input gradient, weight gradient.
   assert all(set(pair) <= FP8_NAMES for pair in found), found
   text = jax.jit(fn).lower(x, w).as_text()
-  dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+  # MX's blocks go to XLA's block-scaled dot, a composite whose operands are
+  # the FP8 values and E8M0 scales (a backend without such GEMMs expands it).
+  marker = ('stablehlo.composite "xla.scaled_dot"' if name == "mx"
+            else "stablehlo.dot_general")
+  dots = [ln for ln in text.splitlines() if marker in ln]
   assert len(dots) == 3 and all(ln.count("f8E") >= 2 for ln in dots), dots
+  if name == "mx":
+    assert all(ln.count("f8E8M0FNU") == 2 for ln in dots), dots
 
 
 def test_backward_uses_the_recipes_gradient_format():

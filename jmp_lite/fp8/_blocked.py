@@ -4,20 +4,35 @@ Every matmul here is first put in one canonical form, ``a (B, P, C)`` times
 ``b (B, Q, C)`` into ``(B, P, Q)``: batch, free, contracting (flattened).
 Each operand is quantised in blocks along ``C`` (one block of all of ``C``
 for "row"), giving FP8 values ``(B, P, nb, bs)`` and float32 de-scale
-factors ``(B, P, nb)``. The product is one FP8 x FP8 ``dot_general`` with
-the block index as an extra *batch* dimension, accumulated in float32, each
-block's partial product multiplied by its two de-scale factors and the
-blocks summed in float32: exactly what a block-scaled FP8 GEMM computes
-(the products of FP8 values are exact in float32, the per-block scaling is
-the same, only the float32 summation order may differ), with 8-bit operands
-in the program. The price is a float32 intermediate ``nb`` times the
-output's size (``nb = 1`` for "row").
+factors ``(B, P, nb)``. The product is, block by block, one FP8 x FP8
+``dot_general`` accumulated in float32, multiplied by the block's two
+de-scale factors and added to a float32 sum: exactly what a block-scaled
+FP8 GEMM computes (the products of FP8 values are exact in float32, the
+per-block scaling is the same, only the float32 summation order may
+differ), with 8-bit operands in the program. "block" runs the blocks in a
+``lax.scan`` into one accumulator (:func:`looped_dot`); the first version
+ran them as one dot with the block index as a batch dimension
+(:func:`batched_dot`, kept for "row"'s single block), whose float32
+intermediate was ``nb`` times the output (16 GiB for one 8192-token
+projection with a 16384-wide contracting dimension) and which ran 2.6-4x
+slower on XLA:CPU.
 
-``jax.nn.scaled_dot_general`` (JAX 0.10) is not used: outside cuDNN it
-dequantises to the preferred element type and runs a dot in that type
-(operands no longer 8-bit in the program), it knows only MX-style blocks
-along the contracting dimension (no 128x128 weight tiles), and its
-differentiation re-quantises with its own rules.
+MX blocks (E8M0 scales) go to ``jax.lax.scaled_dot`` instead, XLA's
+block-scaled dot (a StableHLO composite): a backend with block-scaled FP8
+GEMMs (Blackwell's MXFP8) can run it natively, any other expands it into a
+dequantisation (exact: FP8 values times powers of two) and one dot, with no
+``nb``-fold intermediate. Its numbers equal the batched formulation's up to
+the float32 summation order (``tests/test_fp8_granularity.py``). Measured
+on an H200 at 8192^3, forward and backward (``benchmarks/fp8_native_probe.py``,
+2026-11-26): the batched formulation took 13.5x bfloat16's time with a
+64 GiB float32 intermediate; ``jax.nn.scaled_dot_general``, which XLA:GPU
+expands the same way on Hopper, 1.2x, with the same forward error. Row and
+block scales are not powers of two; there ``lax.scaled_dot``'s expansion
+rounds the de-scaled operands (to bfloat16 on XLA:CPU, 0.4% off), so they
+keep the FP8 dots above. ``jax.nn.scaled_dot_general`` itself is not used:
+it quantises by its own rules (scales from a bfloat16 division, no padding
+of the contracting dimension, E4M3 gradients), and the custom VJP here
+already chooses each matmul's operands.
 """
 
 from __future__ import annotations
@@ -33,7 +48,8 @@ import numpy as np
 
 from jmp_lite.fp8._quantize import scale_for, scale_inv_for
 
-__all__ = ["Layout", "fine_dot", "mx_exponent", "pow2", "quantize_blocks"]
+__all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
+           "pow2", "quantize_blocks", "scaled_dot"]
 
 _F32 = np.dtype(np.float32)
 # E8M0's exponent range (its 0xFF encoding is NaN).
@@ -208,14 +224,67 @@ def dequantize_blocks(q: jax.Array, scale_inv: jax.Array,
 
 def _qdot(a: jax.Array, b: jax.Array, la: Layout, lb: Layout) -> jax.Array:
   """``a (B, P, C) . b (B, Q, C) -> (B, P, Q)`` float32, block-scaled FP8."""
-  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
   qa, ia = quantize_blocks(a, la)
   qb, ib = quantize_blocks(b, lb)
+  if la.kind == lb.kind == "mx":
+    return scaled_dot(qa, ia, qb, ib)
+  if qa.shape[2] == 1:  # "row": one block, nothing to loop over.
+    return batched_dot(qa, ia, qb, ib)
+  return looped_dot(qa, ia, qb, ib)
+
+
+def batched_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
+                ib: jax.Array) -> jax.Array:
+  """Quantised blocks' product, one FP8 dot with the blocks as a batch.
+
+  ``qa (B, P, nb, bs)`` with de-scale factors ``ia (B, P, nb)`` times ``qb
+  (B, Q, nb, bs)``, ``ib (B, Q, nb)``, into float32 ``(B, P, Q)``.
+  """
+  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
   # (B, nb, P, Q): one exact FP8 product per block, accumulated in float32.
   part = _matmul(qa, qb, (((3,), (3,)), ((0, 2), (0, 2))))
   scaled = (part * jnp.transpose(ia, (0, 2, 1))[..., None]
             * jnp.transpose(ib, (0, 2, 1))[:, :, None, :])
   return jnp.sum(scaled, axis=1)
+
+
+def looped_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
+               ib: jax.Array) -> jax.Array:
+  """:func:`batched_dot`, one block at a time into one float32 accumulator.
+
+  The same products and sums (in block order) without the ``nb``-fold
+  float32 intermediate: a ``lax.scan`` over the blocks, each step one FP8
+  dot of ``bs``-long rows, de-scaled and added.
+  """
+  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
+
+  def step(acc: jax.Array, block: tuple[jax.Array, ...]
+           ) -> tuple[jax.Array, None]:
+    qa_k, ia_k, qb_k, ib_k = block
+    part = _matmul(qa_k, qb_k, (((2,), (2,)), ((0,), (0,))))
+    return acc + part * ia_k[:, :, None] * ib_k[:, None, :], None
+
+  b, p, _, _ = qa.shape
+  blocks = (jnp.moveaxis(qa, 2, 0), jnp.moveaxis(ia, 2, 0),
+            jnp.moveaxis(qb, 2, 0), jnp.moveaxis(ib, 2, 0))
+  acc = jnp.zeros((b, p, qb.shape[1]), _F32)
+  return jax.lax.scan(step, acc, blocks)[0]
+
+
+def scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
+               ib: jax.Array) -> jax.Array:
+  """:func:`batched_dot` for MX blocks, through XLA's block-scaled dot.
+
+  The de-scale factors must be powers of two (or NaN), as MX's are.
+  """
+  b, p, nb, bs = qa.shape
+  # E8M0 holds the powers of two exactly, and a non-finite block's NaN.
+  e8m0 = jnp.float8_e8m0fnu
+  return jax.lax.scaled_dot(
+      qa.reshape(b, p, nb * bs), qb.reshape(b, qb.shape[1], nb * bs),
+      lhs_scale=ia.astype(e8m0), rhs_scale=ib.astype(e8m0),
+      dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+      preferred_element_type=_F32)
 
 
 @dataclasses.dataclass(frozen=True)
