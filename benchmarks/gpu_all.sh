@@ -35,7 +35,8 @@ run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax",
 flax.__version__, "optax", optax.__version__, jax.devices())'
 # The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
-run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9}
+run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9} \
+  --dump "$out/hlo"
 run gpu_fp8 --dump "$out/hlo" --rounds ${ROUNDS:-5}
 run fp8_native_probe --rounds ${ROUNDS:-5}
 run gpu_step --dump "$out/hlo" --rounds ${ROUNDS:-15}

@@ -208,6 +208,9 @@ def main() -> None:
   parser.add_argument("--heads", type=int, default=4 if on_cpu else 32)
   parser.add_argument("--dump", type=pathlib.Path, default=None,
                       help="write each variant's compiled HLO text here")
+  parser.add_argument("--variants", nargs="+", default=None,
+                      help="only these variants (bf16 always runs: the"
+                      " baseline)")
   args = parser.parse_args()
   d, heads = args.width, args.heads
   if d % heads:
@@ -222,6 +225,12 @@ def main() -> None:
           " times below say nothing about FP8 hardware.")
 
   specs = variants(heads)
+  if args.variants is not None:
+    unknown = set(args.variants) - set(specs)
+    if unknown:
+      parser.error(f"unknown variants {sorted(unknown)}; known: {list(specs)}")
+    specs = {n: v for n, v in specs.items()
+             if n == "bf16" or n in args.variants}
   rows, compiled, states = [], {}, {}
   for name, (init, step, recipe) in specs.items():
     start = time.perf_counter()

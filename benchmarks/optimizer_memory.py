@@ -28,6 +28,7 @@ Run: ``python benchmarks/optimizer_memory.py`` (``--help`` for sizes).
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,8 @@ def tree_nbytes(tree: Any) -> int:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   parser = size_parser((__doc__ or "").splitlines()[0], width=1024, depth=4,
                        batch=256)
+  parser.add_argument("--dump", type=pathlib.Path, default=None,
+                      help="write each variant's compiled full step here")
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
@@ -146,6 +149,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     full[name] = jax.jit(step, donate_argnums=0)
     compiled = full[name].lower(state, x, y).compile()
+    if args.dump is not None:
+      args.dump.mkdir(parents=True, exist_ok=True)
+      safe = "".join(c if c.isalnum() else "_" for c in name)
+      (args.dump / f"optmem_{safe}.hlo.txt").write_text(compiled.as_text())
     compiled_update = jax.jit(apply, donate_argnums=0).lower(
         state, grads).compile()
     mem = compiled.memory_analysis()

@@ -264,6 +264,8 @@ def test_fp8_gather_bytes_benchmark_runs_small_on_host_devices():
   assert rows["fp8 tensor"][2] == "0"
   assert int(rows["fp8 row"][2]) == 2 * 512 * 4  # a float32 per row
   assert int(rows["fp8 mx"][2]) == 2 * 512 * 512 // 32  # a byte per block
+  # block: one float32 scale per 128 x 128 tile.
+  assert int(rows["fp8 block"][2]) == 2 * (512 // 128) ** 2 * 4
 
 
 @pytest.mark.slow

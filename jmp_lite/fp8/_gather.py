@@ -60,6 +60,11 @@ def _gather_fwd_impl(x: jax.Array, axis_name: Any, recipe: Recipe,
     code = gather(((bits >> 23) & 0xFF).astype(jnp.uint8)).astype(jnp.int32)
     inv = jnp.where(code == 255, np.float32(np.nan), pow2(code - 127))
     q = gather(q)
+  elif layout.kind == "square" and x.ndim >= 2:
+    # One scale per bs x bs tile on the wire, not one per row of it: the
+    # rows of a tile share theirs (quantize_blocks repeats it per row).
+    q, tiles = gather(q), gather(inv[..., ::bs, :])
+    inv = jnp.repeat(tiles, bs, axis=-2)[..., :q.shape[-2], :]
   else:
     q, inv = gather(q), gather(inv)
   full = q.reshape(*q.shape[:-1], nb if axis != x.ndim - 1 else -1, bs)
