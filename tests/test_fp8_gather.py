@@ -27,7 +27,8 @@ def test_all_gather_moves_fp8_and_reduce_scatters_in_float32():
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert proc.stdout.splitlines() == [
       "ok tensor", "ok row", "ok block", "ok mx",
-      "ok bfloat16 params, float32 reduce-scatter"], proc.stdout + proc.stderr
+      "ok bfloat16 params, float32 reduce-scatter",
+      "ok block along the last axis"], proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("args, error, match", [

@@ -63,6 +63,7 @@ def _gather_fwd_impl(x: jax.Array, axis_name: Any, recipe: Recipe,
   elif layout.kind == "square" and x.ndim >= 2:
     # One scale per bs x bs tile on the wire, not one per row of it: the
     # rows of a tile share theirs (quantize_blocks repeats it per row).
+    # all_gather checked that a shard holds whole tiles along the axis.
     q, tiles = gather(q), gather(inv[..., ::bs, :])
     inv = jnp.repeat(tiles, bs, axis=-2)[..., :q.shape[-2], :]
   else:

@@ -29,7 +29,7 @@ RECIPES = {
 }
 
 
-def qdq_global(w: np.ndarray, name: str) -> np.ndarray:
+def qdq_global(w: np.ndarray, name: str, block: int = 16) -> np.ndarray:
   """Quantise-dequantise of the whole (unsharded) tensor, one device."""
   x = jnp.asarray(w)
   if name == "tensor":
@@ -37,7 +37,7 @@ def qdq_global(w: np.ndarray, name: str) -> np.ndarray:
     q = jnp.clip(x * scale, -448, 448).astype(jnp.float8_e4m3fn)
     return np.asarray(q.astype(jnp.float32) * (1 / scale))
   kind = {"row": "row", "block": "square", "mx": "mx"}[name]
-  bs = 16 if name == "block" else 32
+  bs = block if name == "block" else 32
   q, inv = quantize_blocks(x[None], Layout(kind, np.dtype(jnp.float8_e4m3fn),
                                            bs=bs))
   out = np.asarray(q.astype(jnp.float32) * inv[..., None])
@@ -106,6 +106,17 @@ def main() -> None:
   assert dw(bf16).dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(dw(bf16), np.float32), 4.0)
   print("ok bfloat16 params, float32 reduce-scatter")
+
+  # Block tiles gathered along the last axis: 24 columns a shard, 3 tiles.
+  recipe = fp8.CurrentScaling(granularity="block", block_size=8)
+  g = jax.jit(jax.shard_map(
+      lambda w: fp8.all_gather(w, "fsdp", recipe, axis=1), mesh=MESH,
+      in_specs=P(None, "fsdp"), out_specs=P(None, "fsdp")))
+  got = np.asarray(g(w)).reshape(64, 4, 96)
+  want = qdq_global(w, "block", block=8)
+  for i in range(4):
+    np.testing.assert_array_equal(got[:, i], want)
+  print("ok block along the last axis")
 
 
 if __name__ == "__main__":
