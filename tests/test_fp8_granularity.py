@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -224,6 +225,30 @@ def test_fine_granularities_keep_the_rows_an_outlier_ruins_per_tensor():
     # E4M3's 3 mantissa bits: a few percent at most.
     assert errs[name] < 0.05, errs
     assert errs[name] < errs["tensor"] / 10, errs
+
+
+@pytest.mark.parametrize("name", list(FINE))
+def test_gradients_inside_shard_map_equal_the_unmapped_ones(name):
+  # A batch that varies over the mesh axis times a replicated weight, as in
+  # data parallelism under shard_map (check_vma): the dots' results and
+  # gradients must carry the axis they vary over (JAX's lax.scaled_dot, MX's
+  # dot, forgets it), and the weight's gradient is summed over it.
+  from jax.sharding import PartitionSpec as P
+  recipe = FINE[name]
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  x, w = normal(1, (8, 64)), normal(2, (64, 16))
+
+  def loss(x, w):
+    return jnp.sum(dot(recipe, x, w) ** 2)
+
+  def mapped(x, w):
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    return gx, jax.lax.psum(gw, "data")
+
+  got = jax.jit(jax.shard_map(mapped, mesh=mesh, in_specs=(P("data"), P()),
+                              out_specs=(P("data"), P())))(x, w)
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(FINE))

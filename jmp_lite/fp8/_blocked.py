@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import varying_axes
 from jmp_lite.fp8._quantize import scale_for, scale_inv_for
 
 __all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
@@ -267,7 +268,8 @@ def looped_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   b, p, _, _ = qa.shape
   blocks = (jnp.moveaxis(qa, 2, 0), jnp.moveaxis(ia, 2, 0),
             jnp.moveaxis(qb, 2, 0), jnp.moveaxis(ib, 2, 0))
-  acc = jnp.zeros((b, p, qb.shape[1]), _F32)
+  # The carry must vary over the mesh axes its sums will (under shard_map).
+  acc = _varying_as(jnp.zeros((b, p, qb.shape[1]), _F32), *blocks)
   return jax.lax.scan(step, acc, blocks)[0]
 
 
@@ -280,11 +282,24 @@ def scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   b, p, nb, bs = qa.shape
   # E8M0 holds the powers of two exactly, and a non-finite block's NaN.
   e8m0 = jnp.float8_e8m0fnu
-  return jax.lax.scaled_dot(
+  out = jax.lax.scaled_dot(
       qa.reshape(b, p, nb * bs), qb.reshape(b, qb.shape[1], nb * bs),
       lhs_scale=ia.astype(e8m0), rhs_scale=ib.astype(e8m0),
       dimension_numbers=(((2,), (2,)), ((0,), (0,))),
       preferred_element_type=_F32)
+  # Inside shard_map (check_vma) lax.scaled_dot's result forgets the mesh
+  # axes its operands vary over (JAX 0.10); a custom VJP then refuses the
+  # gradient's type. Say them again.
+  return _varying_as(out, qa, qb)
+
+
+def _varying_as(x: jax.Array, *operands: jax.Array) -> jax.Array:
+  """``x``, typed as varying over every ``shard_map`` axis the operands
+  vary over (a no-op outside ``shard_map``)."""
+  axes = frozenset().union(*map(varying_axes, operands)) - varying_axes(x)
+  if not axes:
+    return x
+  return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
 
 
 @dataclasses.dataclass(frozen=True)
