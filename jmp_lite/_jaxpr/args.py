@@ -86,11 +86,12 @@ def varying_axes(x: Any) -> frozenset[str]:
   Read from the value's type under ``shard_map(..., check_vma=True)``
   (JAX's "varying manual axes"); empty outside ``shard_map``, under
   ``check_vma=False`` (where JAX does not track it), and for non-arrays.
-  JAX has named the field ``vma`` and ``manual_axis_type.varying``; both
-  are read (``tests/test_jaxpr.py`` fails when neither is found).
+  JAX has named the field ``vma``, ``manual_axis_type.varying`` and
+  ``mat.varying``; all are read (``tests/test_jaxpr.py`` fails when none is
+  found).
 
   Args:
-    x: any value.
+    x: any value, or an abstract value (a jaxpr variable's ``aval``).
 
   Returns:
     The axis names, a frozenset.
@@ -101,13 +102,14 @@ def varying_axes(x: Any) -> frozenset[str]:
     >>> varying_axes(jnp.ones(2))
     frozenset()
   """
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return frozenset()
-  try:
-    aval = jax.typeof(x)
-  except TypeError:
-    return frozenset()
+  aval = x  # An abstract value already, or something without a type.
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    try:
+      aval = jax.typeof(x)
+    except TypeError:
+      return frozenset()
   vma = getattr(aval, "vma", None)
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  for field in ("manual_axis_type", "mat"):
+    if vma is None:
+      vma = getattr(getattr(aval, field, None), "varying", None)
   return frozenset(vma or ())

@@ -135,8 +135,7 @@ class AutocastRetyper(_jaxpr.Rewriter):
     """Whether this (half-precision) matmul runs in FP8 instead."""
     if not all(d in _CASTABLE for d in ops.dtypes):
       return False  # float64, integers: as written.
-    from jmp_lite.fp8._dot import varying_axes
-    if any(varying_axes(a) for a in ops.avals):
+    if any(_jaxpr.varying_axes(a) for a in ops.avals):
       return False  # Inside shard_map: per-device types; kept in half.
     cfg = self.cfg
     return ops.scopes.isdisjoint(cfg.fp8_exclude) and (

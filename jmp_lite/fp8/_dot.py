@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import varying_axes
 from jmp_lite.dtypes import float8_values
 from jmp_lite.fp8._blocked import fine_dot
 from jmp_lite.fp8._quantize import (
@@ -213,23 +214,6 @@ def _scaled(x: jax.Array, own_amax: jax.Array, delayed_amax: jax.Array,
     use = own_amax
   scale = scale_for(use, dtype, st.margin)
   return cast_saturating(x, scale, dtype), scale_inv_for(scale, own_amax)
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-  """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``).
-
-  Read from the value's type (``x`` may be an abstract value itself):
-  ``aval.vma`` in the JAX versions that have it, ``aval.mat.varying`` in the
-  others (0.10).
-  """
-  try:
-    aval = jax.typeof(x)
-  except TypeError:  # Already an abstract value.
-    aval = x
-  axes = getattr(aval, "vma", None)
-  if axes is None:
-    axes = getattr(getattr(aval, "mat", None), "varying", None)
-  return frozenset(axes or ())
 
 
 def _like_primal(ct: jax.Array, primal: jax.Array,
