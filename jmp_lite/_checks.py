@@ -6,11 +6,25 @@ Bad configuration fails where it is given, naming the value, rather than at
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def listing(items: Sequence[str], most: int = 4) -> str:
+  """The first ``most`` items, comma-separated, `` ...`` if there are more.
+
+  Error messages name a few offenders, not hundreds of leaves.
+
+  Example:
+    >>> from jmp_lite._checks import listing
+    >>> listing(["a", "b", "c", "d", "e"])
+    'a, b, c, d ...'
+  """
+  return ", ".join(items[:most]) + (" ..." if len(items) > most else "")
 
 
 def check_transformation(inner: Any, who: str) -> None:

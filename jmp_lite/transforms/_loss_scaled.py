@@ -16,6 +16,7 @@ from jmp_lite._checks import (
   check_bool,
   check_own_state,
   check_transformation,
+  listing,
 )
 from jmp_lite._nonfinite import nonfinite_counts
 from jmp_lite._skipping import reduce_finite
@@ -274,7 +275,7 @@ def loss_scaled(
     if half and not allow_half_state:
       raise TypeError(
           "The optimizer state would hold half-precision leaves: "
-          + ", ".join(half[:4]) + (" ..." if len(half) > 4 else "")
+          + listing(half)
           + ". Moments in float16/bfloat16/FP8 silently lose small updates."
           " Keep float32 master weights with"
           " jmp_lite.master_weights(loss_scaled(...)), or pass"
@@ -374,7 +375,7 @@ def _refuse_narrow_unscale(grads: Any) -> None:
   if narrow:
     raise TypeError(
         "loss_scaled would unscale float16/FP8 gradients in their own dtype ("
-        + ", ".join(narrow[:4]) + (" ..." if len(narrow) > 4 else "")
+        + listing(narrow)
         + "): true gradients below 6e-8 vanish and those below 6e-5 keep"
         " few bits. Keep float32 master weights,"
         " jmp_lite.master_weights(jmp_lite.loss_scaled(...)), which hands"

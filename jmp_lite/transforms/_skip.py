@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from jmp_lite import _optax, contract
+from jmp_lite._checks import listing
 from jmp_lite._skipping import reduce_finite, skip_updates
 from jmp_lite.finite import all_finite, select_tree
 from jmp_lite.transforms._config import GuardConfig
@@ -125,7 +126,7 @@ def _check_stable_state(old: Any, new: Any) -> None:
   if changed:
     raise TypeError(
         "The inner optimizer's update changes its state's dtypes ("
-        + ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
+        + listing(changed)
         + "), which a skipped step, keeping the old state, cannot match."
         " Usually half-precision params with float32 gradients: give the"
         " gradients the params' dtype, keep float32 master weights"
