@@ -115,13 +115,18 @@ def test_growth_is_capped_and_never_non_finite(variant):
   for _ in range(3):
     state = adjust(state, T)
     assert float(state.loss_scale) == 2.0**24  # Apex's default max.
-  # Even with the largest float32 max, growth saturates rather than overflows.
-  big = float(jnp.finfo(jnp.float32).max)
+  # Even with the largest max allowed, growth saturates rather than
+  # overflows.
+  big = 2.0 ** 126
   state = jmp_lite.DynamicLossScale(big / 2, period=1, factor=4,
                                     max_loss_scale=big)
   state = adjust(state, T)
   assert np.isfinite(float(state.loss_scale))
   assert float(state.loss_scale) == np.float32(big)
+  # And 1 / scale, which unscales, is still a normal float32 (XLA flushes
+  # subnormals): a gradient unscaled at the largest scale is not zeroed.
+  g = jax.jit(state.unscale)(jnp.float32(2.0 ** 100))
+  assert float(g) == 2.0 ** -26
 
 
 def test_backoff_factor_defaults_to_inverse_factor():
@@ -293,6 +298,27 @@ def test_construction_inside_jit_with_traced_scale():
     (dict(factor=0.5), ValueError, r"factor must be > 1"),
     (dict(factor=jnp.float32(2)), TypeError, r"factor must be a Python number"),
     (dict(factor=float("inf")), ValueError, r"factor must be finite"),
+    # Factors stored as float32 that are no-ops or not the number asked for:
+    # 1.00000001 is 1.0 in float32 and never moved the scale.
+    (dict(factor=1.00000001), ValueError,
+     r"factor=1.00000001 is 1.0 in float32.*never moves the scale"),
+    (dict(factor=1e39), ValueError, r"factor=1e\+39 is inf in float32"),
+    (dict(backoff_factor=0.99999999), ValueError,
+     r"backoff_factor=0.99999999 is 1.0 in float32.*never moves"),
+    (dict(backoff_factor=1e-50), ValueError,
+     r"backoff_factor=1e-50 is 0.0 in float32"),
+    # Scales outside float32's normal range (or whose reciprocal is not
+    # normal), which XLA flushes to zero.
+    (dict(max_loss_scale=3e38), ValueError,
+     r"max_loss_scale must be in \[2\*\*-126, 2\*\*126\].*got 3e\+38"),
+    (dict(min_loss_scale=1e-40), ValueError,
+     r"min_loss_scale must be in \[2\*\*-126, 2\*\*126\].*got 1e-40"),
+    (dict(min_loss_scale=1e-50), ValueError,
+     r"min_loss_scale must be positive and finite, got 1e-50 \(0.0 in"
+     r" float32\)"),
+    (dict(loss_scale=1e39, max_loss_scale=2.0 ** 126), ValueError,
+     r"loss_scale must be positive and finite, got 1e\+39 \(inf in"
+     r" float32\)"),
     (dict(backoff_factor=1.0), ValueError,
      r"backoff_factor must be in \(0, 1\)"),
     (dict(backoff_factor=0.0), ValueError,
@@ -363,6 +389,20 @@ def test_dynamic_bad_configuration(kwargs, err, match):
 def test_static_bad_configuration(value, err):
   with pytest.raises(err, match="loss_scale"):
     jmp_lite.StaticLossScale(value)
+
+
+@pytest.mark.parametrize("value,match", [
+    (3e38, r"in \[2\*\*-126, 2\*\*126\].*got 3e\+38"),
+    (1e-40, r"in \[2\*\*-126, 2\*\*126\].*got 1e-40"),
+    (1e-50, r"positive and finite, got 1e-50 \(0.0 in float32\)"),
+])
+def test_static_scale_outside_float32s_normal_range_is_refused(value, match):
+  """StaticLossScale(3e38) unscaled by 1/3e38, a subnormal XLA flushes:
+  every gradient became 0 and the step was applied."""
+  with pytest.raises(ValueError, match="loss_scale must be " + match):
+    jmp_lite.StaticLossScale(value)
+  edge = jmp_lite.StaticLossScale(2.0 ** 126)
+  assert float(jax.jit(edge.unscale)(jnp.float32(2.0 ** 127))) == 2.0
 
 
 def test_static_rejects_complex_naming_the_value():
