@@ -155,6 +155,32 @@ def check_scalar_bool(x: Any, what: str) -> jax.Array:
   return jnp.asarray(x)
 
 
+def check_numeric_leaf(x: Any, who: str) -> None:
+  """Raises a ``TypeError`` for an array whose dtype holds no numbers.
+
+  A NumPy ``object`` array holding ``nan`` is no floating array: checks
+  that read only floating leaves passed it as finite, and scaling passed
+  it through unscaled. Strings, bytes, datetimes and structured dtypes are
+  refused alike; ``float0`` (the gradient of an integer param) is numeric
+  enough: it holds no values at all.
+
+  Example:
+    >>> import numpy as np
+    >>> from jmp_lite._checks import check_numeric_leaf
+    >>> check_numeric_leaf(np.ones(2), "all_finite")
+  """
+  dtype = getattr(x, "dtype", None)
+  if not isinstance(x, (np.ndarray, np.generic, jax.Array)) or dtype is None:
+    return
+  if (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_
+      or dtype == jax.dtypes.float0):
+    return
+  raise TypeError(
+      f"{who} expects numeric arrays, got an array of dtype {dtype} (shape"
+      f" {np.shape(x)}): {x!r:.120}. Its elements are not numbers it can"
+      " read on a device; convert it first, e.g. np.asarray(x, np.float32)")
+
+
 def check_axis_name(axis_name: Any) -> Any:
   """``axis_name`` if it can name a mapped axis, else a ``TypeError``.
 

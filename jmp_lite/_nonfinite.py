@@ -7,6 +7,7 @@ without importing each other.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_numeric_leaf
 from jmp_lite.path_rules import path_string
 
 __all__ = ["nonfinite_counts", "nonfinite_paths"]
@@ -29,6 +31,10 @@ def nonfinite_counts(tree: Any) -> Any:
     A pytree of the same structure: an int32 count per inexact leaf, ``None``
     elsewhere. Jit-safe.
 
+  Raises:
+    TypeError: for an array of a dtype that holds no numbers (a NumPy
+      ``object`` array: convert it).
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> counts = jmp_lite.nonfinite_counts(
@@ -36,6 +42,8 @@ def nonfinite_counts(tree: Any) -> Any:
     >>> int(counts["a"]), int(counts["b"])
     (2, 0)
   """
+  for x in jax.tree.leaves(tree):
+    check_numeric_leaf(x, "nonfinite_counts")
   return jax.tree.map(
       lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
       if _dtypes.is_inexact_array(x) else None, tree)
@@ -50,6 +58,11 @@ def nonfinite_paths(counts: Any) -> dict[str, int]:
   Returns:
     ``{"layer/kernel": count}`` for every leaf with non-finite elements.
 
+  Raises:
+    ValueError: for a leaf that is not a scalar (gradients passed by
+      mistake).
+    TypeError: for a leaf that is no integer (a string, a float, a bool).
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> grads = {"dense": {"w": jnp.array([jnp.nan, 1.0])}, "b": jnp.ones(1)}
@@ -62,6 +75,18 @@ def nonfinite_paths(counts: Any) -> dict[str, int]:
       raise ValueError(
           f"nonfinite_paths takes counts from nonfinite_counts (a scalar per"
           f" leaf), got shape {np.shape(value)} at {path_string(path)!r}")
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, (bool, np.bool_)) or not (
+        isinstance(value, numbers.Integral)
+        or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))):
+      # Gradients or a string passed by mistake: int() would truncate the
+      # one and fail on the other with Python's own message.
+      raise TypeError(
+          "nonfinite_paths takes counts from nonfinite_counts (an integer"
+          " scalar per leaf, e.g. state.nonfinite of loss_scaled(...,"
+          f" track_nonfinite=True)), got a {type(value).__name__}"
+          + (f" of dtype {dtype}" if dtype is not None else "")
+          + f" at {path_string(path) or 'the root'!r}: {value!r:.120}")
     n = int(value)
     if n:
       out[path_string(path)] = n

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_scalar_bool
+from jmp_lite._checks import check_numeric_leaf, check_scalar_bool
 
 __all__ = ["all_finite", "select_tree"]
 
@@ -42,7 +42,8 @@ def all_finite(tree: Any) -> jax.Array:
   Raises:
     TypeError: for a leaf that is no number or array (a string, an
       object: a tree of names or paths passed by mistake would otherwise
-      count as finite).
+      count as finite), or an array of a dtype that holds no numbers (a
+      NumPy ``object`` array, even one holding floats: convert it).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -60,6 +61,7 @@ def all_finite(tree: Any) -> jax.Array:
       raise TypeError(
           "all_finite expects a pytree of arrays or numbers, got a"
           f" {type(x).__name__} leaf: {x!r:.200}")
+    check_numeric_leaf(x, "all_finite")
     if isinstance(x, (float, complex)) and not cmath.isfinite(x):
       return jnp.array(False)
   partials = [

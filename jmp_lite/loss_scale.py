@@ -34,7 +34,7 @@ import numpy as np
 
 from jmp_lite import _jaxpr, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_scalar_bool
+from jmp_lite._checks import check_numeric_leaf, check_scalar_bool
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -252,6 +252,7 @@ def _check_numeric_leaves(tree: Any) -> None:
       raise TypeError(
           "A loss scale scales numbers and arrays, got a"
           f" {type(x).__name__} leaf: {x!r:.200}")
+    check_numeric_leaf(x, "A loss scale")
 
 
 class _MultiplyingScale:

@@ -23,6 +23,14 @@ _KEYS = {
 _VALID_KEYS = "'params' (or 'p'), 'compute' (or 'c'), 'output' (or 'o')"
 
 
+def _is_float0(value: Any) -> bool:
+  """Whether ``value`` is JAX's ``float0`` (a dtype, or its scalar type)."""
+  try:
+    return np.dtype(value) == jax.dtypes.float0
+  except (TypeError, ValueError):
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """A mixed-precision policy: the dtypes of params, computation and outputs.
@@ -57,7 +65,15 @@ class Policy:
 
   def __post_init__(self) -> None:
     for name in ("param_dtype", "compute_dtype", "output_dtype"):
-      dtype = _dtypes.to_floating_dtype(getattr(self, name), name)
+      value = getattr(self, name)
+      if not isinstance(value, str) and _is_float0(value):
+        # numpy names float0 "void", which said nothing.
+        raise TypeError(
+            f"{name} must be a floating dtype (float32, bfloat16, float16,"
+            " float64), got jax.dtypes.float0, the dtype of integer params'"
+            " gradients under jax.grad(..., allow_int=True), which holds no"
+            " values and is no dtype to compute or store in")
+      dtype = _dtypes.to_floating_dtype(value, name)
       if getattr(self, name) is float:
         # Python's float is JAX's default float, as in jnp.zeros(3, float):
         # float32 unless x64 is on (numpy would read it as float64, a dtype

@@ -223,9 +223,11 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
     ``(new_params, new_opt_state)``.
 
   Raises:
-    TypeError: if ``optimizer`` is not a gradient transformation.
+    TypeError: if ``optimizer`` is not a gradient transformation, or a
+      floating param's gradient is an integer or bool array.
     ValueError: if ``params`` is ``None``, or ``grads`` has another tree
-      structure or other shapes than ``params``.
+      structure or other shapes than ``params`` (a Python number is a
+      scalar).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
@@ -268,12 +270,44 @@ def _check_grads_fit(grads: Any, params: Any) -> None:
         f" params' (gradients of another model or of a part of it?):"
         f" grads {str(g_def):.300}, params {str(p_def):.300}")
   for (path, g), p in zip(g_leaves, p_leaves, strict=True):
-    g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
-    if g_shape is not None and p_shape is not None and (
-        tuple(g_shape) != tuple(p_shape)):
+    # A Python number is a scalar: a float for a (2, 3) param once passed
+    # (and broadcast into every element).
+    g_shape, p_shape = _shape_of(g), _shape_of(p)
+    where = jax.tree_util.keystr(path) or "the root"
+    if g_shape is not None and p_shape is not None and g_shape != p_shape:
       raise ValueError(
-          f"update_and_apply: the gradient at {jax.tree_util.keystr(path)}"
-          f" has shape {tuple(g_shape)}, its param {tuple(p_shape)}")
+          f"update_and_apply: the gradient at {where} has shape {g_shape}"
+          f" ({type(g).__name__}), its param {p_shape}")
+    g_dtype, p_dtype = _dtype_of(g), _dtype_of(p)
+    if (g_dtype is not None and p_dtype is not None
+        and jnp.issubdtype(p_dtype, jnp.inexact)
+        and (jnp.issubdtype(g_dtype, jnp.integer) or g_dtype == np.bool_)):
+      # Scaling and unscaling pass integer leaves (they are no gradients
+      # of the scaled loss): a scaled integer gradient would be applied
+      # loss_scale times too large.
+      raise TypeError(
+          f"update_and_apply: the gradient at {where} is {g_dtype.name}, its"
+          f" param {p_dtype.name}: a floating param's gradient must be"
+          " floating (an integer one is never unscaled); cast the gradients,"
+          " e.g. jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)")
+
+
+def _shape_of(x: Any) -> tuple[int, ...] | None:
+  if isinstance(x, numbers.Number):
+    return ()
+  shape = getattr(x, "shape", None)
+  return None if shape is None else tuple(shape)
+
+
+def _dtype_of(x: Any) -> np.dtype | None:
+  if isinstance(x, bool):
+    return np.dtype(np.bool_)
+  if isinstance(x, int):
+    return np.dtype(np.int32)
+  if isinstance(x, float):
+    return np.dtype(np.float32)
+  dtype = getattr(x, "dtype", None)
+  return None if dtype is None else np.dtype(dtype)
 
 
 def _step(optimizer: optax.GradientTransformation, grads: Any,
@@ -391,6 +425,26 @@ def _loss_scale_of(loss_scale: Any) -> LossScale:
     raise ValueError(f"scaled_value_and_grad: {e}") from None
 
 
+def _is_index(value: Any) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(
+      value, (bool, np.bool_))
+
+
+def _check_argnums(argnums: Any) -> None:
+  """Raises unless ``argnums`` is None, an int or a non-empty tuple of ints
+  (JAX said "'str' object cannot be interpreted as an integer", or, for
+  ``True``, differentiated argument 1)."""
+  if argnums is None or _is_index(argnums):
+    return
+  if isinstance(argnums, (tuple, list)) and argnums and all(
+      _is_index(a) for a in argnums):
+    return
+  raise TypeError(
+      "scaled_value_and_grad: argnums must be None, an int or a non-empty"
+      " tuple of ints (the positions of the arguments to differentiate, as"
+      f" for jax.value_and_grad), got {type(argnums).__name__}: {argnums!r}")
+
+
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     loss_scale: Any,
@@ -435,7 +489,8 @@ def scaled_value_and_grad(
 
   Raises:
     TypeError: if ``fun`` or ``value_and_grad`` is not callable,
-      ``has_aux`` is not a bool, or ``loss_scale`` is neither a loss-scale
+      ``has_aux`` is not a bool, ``argnums`` is neither ``None``, an int
+      nor a non-empty tuple of ints, or ``loss_scale`` is neither a loss-scale
       state nor an optimizer state; when called, if ``has_aux`` is set and
       ``fun`` does not return a pair.
     ValueError: if ``loss_scale`` is an optimizer state without a loss-scaled
@@ -471,6 +526,7 @@ def scaled_value_and_grad(
     raise TypeError(
         "value_and_grad must be callable (e.g. jax.value_and_grad), got"
         f" {value_and_grad!r}")
+  _check_argnums(argnums)
   scale = _loss_scale_of(loss_scale)
 
   def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

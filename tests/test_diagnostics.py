@@ -319,3 +319,19 @@ def test_diagnostics_bad_inputs_fail_early():
   # A policy string, as autocast takes it.
   assert jmp_lite.check_hardware("p=f32,c=f16", _device("tpu"), warn=False) \
       == jmp_lite.check_hardware("f16", _device("tpu"), warn=False) != []
+
+
+@pytest.mark.parametrize("counts,match", [
+    ("x", r"got a str at 'the root': 'x'"),
+    ({"w": jnp.float32(1.5)}, r"got a \w+ of dtype float32 at 'w'"),
+    ({"w": True}, r"got a bool at 'w'"),
+])
+def test_nonfinite_paths_refuses_what_is_no_count(counts, match):
+  """nonfinite_paths("x") failed with int()'s "invalid literal"; a float
+  (gradients given by mistake) was truncated to a count."""
+  with pytest.raises(TypeError, match=r"nonfinite_paths takes counts from"
+                     r" nonfinite_counts \(an integer scalar per leaf.*"
+                     + match):
+    jmp_lite.nonfinite_paths(counts)
+  # Python and numpy integers are counts.
+  assert jmp_lite.nonfinite_paths({"a": 3, "b": np.int64(0)}) == {"a": 3}

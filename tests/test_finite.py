@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,3 +126,28 @@ def test_select_tree_mismatches():
     jmp_lite.select_tree(True, {"a": jnp.ones(1)}, {"a": jnp.ones(2)})
   with pytest.raises(TypeError, match="non-array leaves"):
     jmp_lite.select_tree(True, {"a": "x"}, {"a": "y"})
+
+
+@pytest.mark.parametrize("leaf", [
+    np.array([1.0, np.nan], dtype=object),
+    np.array([1.0, 2.0], dtype=object),
+    np.array(["1.0"]),
+    np.array(["2026-01-01"], dtype="datetime64[D]"),
+], ids=["object-nan", "object-finite", "str", "datetime"])
+def test_arrays_of_no_numeric_dtype_are_refused(leaf):
+  """A NumPy object array holding NaN counted as finite (only floating
+  leaves were read), and scaling passed it through unscaled: refused, a
+  decision documented in docs/refusals.md (even when its elements are
+  finite floats, which the caller converts)."""
+  with pytest.raises(TypeError, match=r"all_finite expects numeric arrays,"
+                     rf" got an array of dtype {re.escape(str(leaf.dtype))}"
+                     r".*np.asarray"):
+    jmp_lite.all_finite({"w": jnp.ones(2), "o": leaf})
+  with pytest.raises(TypeError, match="A loss scale expects numeric arrays"):
+    jmp_lite.StaticLossScale(2.0).unscale({"o": leaf})
+  with pytest.raises(TypeError, match="nonfinite_counts expects numeric"):
+    jmp_lite.nonfinite_counts({"o": leaf})
+  # Converted, the same values are read.
+  if leaf.dtype == object:
+    assert bool(jmp_lite.all_finite(np.asarray(leaf, np.float32))) == bool(
+        np.isfinite(np.asarray(leaf, np.float64)).all())

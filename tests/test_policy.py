@@ -103,6 +103,19 @@ def test_policy_rejects_non_float_dtypes(bad, field):
     jmp_lite.Policy(**kwargs)
 
 
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype",
+                                   "output_dtype"])
+def test_policy_refuses_float0_naming_it(field):
+  """A float0 policy said "got void" (numpy's name for float0)."""
+  kwargs = dict(param_dtype=jnp.float32, compute_dtype=jnp.float32,
+                output_dtype=jnp.float32)
+  kwargs[field] = jax.dtypes.float0
+  with pytest.raises(TypeError, match=rf"{field} must be a floating dtype.*"
+                     r"got jax.dtypes.float0, the dtype of integer params'"
+                     r" gradients"):
+    jmp_lite.Policy(**kwargs)
+
+
 # "half" is the backend's half dtype (jmp_lite.half_dtype()).
 _HALF = jmp_lite.dtypes.canonical_name(jmp_lite.half_dtype())
 

@@ -436,6 +436,78 @@ def test_update_and_apply_validation():
     jmp_lite.update_and_apply(opt, jnp.ones(2), opt.init(jnp.ones(2)), None)
 
 
+@pytest.mark.parametrize("grad,match", [
+    # A Python float had no .shape, so the check let it through and the
+    # scalar was broadcast into every element of the (2, 3) param.
+    (0.5, r"gradient at \['w'\] has shape \(\) \(float\), its param"
+          r" \(2, 3\)"),
+    (np.float32(0.5), r"gradient at \['w'\] has shape \(\)"),
+    (3, r"gradient at \['w'\] has shape \(\) \(int\)"),
+])
+def test_update_and_apply_refuses_a_scalar_gradient_for_an_array(grad, match):
+  params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+  opt = optax.sgd(0.1)
+  with pytest.raises(ValueError, match=match):
+    jmp_lite.update_and_apply(opt, {"w": grad, "b": jnp.ones(3)},
+                              opt.init(params), params)
+  # A Python float for a scalar param fits.
+  new, _ = jmp_lite.update_and_apply(opt, {"s": 1.0}, opt.init({"s": 2.0}),
+                                     {"s": 2.0})
+  assert float(new["s"]) == pytest.approx(1.9)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.bool_])
+@pytest.mark.parametrize("via", ["update_and_apply", "update"])
+def test_integer_gradients_of_float_params_are_refused(dtype, via):
+  """Integer or bool gradients skipped the unscale (integer leaves pass
+  it): with a scale of 1024 the update was 1024 times too large."""
+  params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3),
+            "i": jnp.arange(2)}
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1),
+                             jmp_lite.StaticLossScale(1024.0))
+  grads = {"w": jnp.ones((2, 3), dtype), "b": jnp.ones(3),
+           # An integer param's integer gradient is no floating one.
+           "i": jnp.zeros(2, jnp.int32)}
+  state = opt.init(params)
+  name = np.dtype(dtype).name
+  if via == "update_and_apply":
+    with pytest.raises(TypeError, match=rf"gradient at \['w'\] is {name},"
+                       r" its param float32.*never unscaled"):
+      jmp_lite.update_and_apply(opt, grads, state, params)
+  else:
+    with pytest.raises(TypeError, match=rf"integer or bool gradients"
+                       rf" \(\['w'\] \({name} for a float32 param\)\)"):
+      opt.update(grads, state, params)
+    # Without params whose gradient it is cannot be told: refused too.
+    with pytest.raises(TypeError, match=r"\['i'\] \(int32\).*pass params"):
+      opt.update(grads, state)
+  # Floating gradients of the same values are unscaled.
+  grads["w"] = grads["w"].astype(jnp.float32)
+  new, _ = jmp_lite.update_and_apply(opt, grads, state, params)
+  np.testing.assert_allclose(np.asarray(new["w"]), 1 - 0.1 / 1024,
+                             rtol=1e-6)
+
+
+def test_integer_gradients_under_a_noop_scale_pass():
+  """A documented decision: with no scale there is no unscale to skip."""
+  opt = jmp_lite.loss_scaled(optax.sgd(0.5), jmp_lite.NoOpLossScale())
+  params = {"w": jnp.ones(2)}
+  updates, _ = opt.update({"w": jnp.array([2, 4])}, opt.init(params), params)
+  np.testing.assert_array_equal(np.asarray(updates["w"]), [-1.0, -2.0])
+
+
+@pytest.mark.parametrize("argnums", ["0", (0, "1"), 1.0, (), True])
+def test_scaled_value_and_grad_refuses_argnums_that_are_no_positions(
+    argnums):
+  """argnums="0" said "'str' object cannot be interpreted as an integer";
+  True differentiated argument 1, () failed inside max()."""
+  with pytest.raises(TypeError, match=r"argnums must be None, an int or a"
+                     r" non-empty tuple of ints.*got \w+: "):
+    jmp_lite.scaled_value_and_grad(lambda w: (w ** 2).sum(),
+                                   jmp_lite.StaticLossScale(2.0),
+                                   argnums=argnums)
+
+
 def test_apply_updates_equals_optax():
   params = {"w": jnp.ones(3, jnp.bfloat16), "v": jnp.full(2, 3.0),
             "none": None}

@@ -210,7 +210,10 @@ def loss_scaled(
   Raises:
     TypeError: if ``inner`` is not a gradient transformation,
       ``loss_scale`` is not a loss scale or policy, ``axis_name`` is not
-      hashable, or a flag is not a bool; from ``init``, if the inner state
+      hashable, or a flag is not a bool; from ``update``, for integer or
+      bool gradients of floating params (unscaling passes them, so they
+      would be applied ``loss_scale`` times too large); from ``init``, if
+      the inner state
       holds half-precision leaves, and from ``update``, if float16 or FP8
       gradients are to be unscaled, while ``allow_half_state`` is false.
     ValueError: if ``skip_with`` is unknown.
@@ -308,8 +311,10 @@ def loss_scaled(
           ) -> tuple[Any, LossScaledState]:
     check(state)
     scale = state.loss_scale
-    if not allow_half_state and not isinstance(scale, NoOpLossScale):
-      _refuse_narrow_unscale(grads)
+    if not isinstance(scale, NoOpLossScale):
+      _refuse_integer_grads(grads, params)
+      if not allow_half_state:
+        _refuse_narrow_unscale(grads)
     if decision is not None:
       # Decided by update_and_apply from these very gradients.
       new_updates, new_inner, apply = decided_update(
@@ -362,6 +367,44 @@ def loss_scaled(
     return tracked(grads)
 
   return guard(init, run, config, check, governs=governs)
+
+
+def _refuse_integer_grads(grads: Any, params: Any) -> None:
+  """Raises for integer or bool gradients of floating params.
+
+  Unscaling passes integer leaves (no gradient of the scaled loss is one),
+  so such a gradient reached the optimizer ``loss_scale`` times too large.
+  Without params (or with another structure) every integer gradient is
+  refused: whose gradient it is cannot be told.
+  """
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+  p_leaves: list[Any] = [None] * len(g_leaves)
+  if params is not None:
+    flat, p_def = jax.tree.flatten(params)
+    if p_def == g_def:
+      p_leaves = flat
+  bad = []
+  for (path, g), p in zip(g_leaves, p_leaves, strict=True):
+    g_dtype = getattr(g, "dtype", None)
+    if g_dtype is None or not (jnp.issubdtype(g_dtype, jnp.integer)
+                               or g_dtype == np.bool_):
+      continue
+    p_dtype = getattr(p, "dtype", None)
+    if p_dtype is not None and not jnp.issubdtype(p_dtype, jnp.inexact):
+      continue  # An integer param's own integer gradient: never unscaled.
+    bad.append(f"{jax.tree_util.keystr(path) or 'the root'}"
+               f" ({np.dtype(g_dtype).name}"
+               + (f" for a {np.dtype(p_dtype).name} param)" if p_dtype
+                  is not None else ")"))
+  if bad:
+    raise TypeError(
+        "loss_scaled got integer or bool gradients (" + listing(bad)
+        + "), which unscaling passes unchanged: the update would be"
+        " loss_scale times too large. Gradients of the scaled loss are"
+        " floating: cast them to the params' dtypes"
+        + ("" if params is not None else
+           " (or pass params to update, so that an integer param's gradient"
+           " can be told apart)"))
 
 
 def _refuse_narrow_unscale(grads: Any) -> None:
