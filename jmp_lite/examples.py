@@ -204,7 +204,9 @@ def load_digits_split(seed: int = 0):
   Returns:
     ``(x_train, y_train, x_test, y_test)`` as numpy arrays.
   """
-  from sklearn.datasets import load_digits
+  # scikit-learn comes with the test and notebooks extras, not with
+  # jmp_lite itself (nor with the lint extra that runs pyright).
+  from sklearn.datasets import load_digits  # pyright: ignore[reportMissingImports]
   features, labels = load_digits(return_X_y=True)
   x = (features / 16.0).astype(np.float32)
   y = labels.astype(np.int32)

@@ -66,6 +66,7 @@ bfloat16, the arithmetic is float32, so this needs no bfloat16 hardware.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,8 +231,9 @@ class Preset:
     ``compensation="stochastic"`` puts ``stochastic_rounding(..., seed=seed)``
     in place of Kahan: 6 bytes per parameter. ``state_bits=8`` (or 4) puts
     ``quantized_states(..., bits=state_bits)`` in place of ``state_dtypes``:
-    with stochastic rounding (its default) about 4 (or 3) bytes per
-    parameter. ``compensation=None`` is the
+    with stochastic rounding about 4 (or 3) bytes per parameter, params and
+    state together (``preset`` picks it, with a warning, unless you pass a
+    compensation). ``compensation=None`` is the
     old pure half recipe, ``loss_scaled(inner, allow_half_state=True)`` with
     moments computed and stored in the half dtype (6 bytes; small updates
     round away), and with float16 every constant of ``inner`` must survive
@@ -297,10 +299,13 @@ def preset(level: str, half: Any = None, *,
     compensation: ``O3`` only: ``"kahan"`` (8 bytes per parameter with
       Adam), ``"stochastic"`` (6 bytes) or ``None`` (plain pure half, 6
       bytes, loses small updates). ``"auto"``: ``"kahan"`` for ``O3``,
-      ``None`` for the others; ``"stochastic"`` with ``state_bits``.
+      ``None`` for the others; with ``state_bits``, ``"stochastic"`` and a
+      warning saying so (pass the compensation to choose it yourself).
     state_bits: ``O3`` only: 8 or 4 stores the optimizer's state in that
       many bits per element (:func:`~jmp_lite.quantized_states`): with
-      stochastic rounding, Adam at about 4 (or 3) bytes per parameter.
+      stochastic rounding, Adam at about 4 (or 3) bytes per parameter,
+      params and optimizer state together; Kahan's compensation buffer
+      adds 2 bytes per bfloat16 parameter to that.
 
   Returns:
     A :class:`Preset`.
@@ -310,6 +315,10 @@ def preset(level: str, half: Any = None, *,
       ``state_bits`` with a level other than ``O3``, ``state_bits`` other
       than 8 or 4, or ``state_bits`` with ``compensation=None``.
     TypeError: for a ``half`` that is not float16 or bfloat16.
+
+  Warns:
+    UserWarning: for ``state_bits`` with ``compensation="auto"``, which
+      picks ``"stochastic"`` where ``O3`` alone picks ``"kahan"``.
 
   Example:
     >>> import jmp_lite.presets
@@ -332,9 +341,19 @@ def preset(level: str, half: Any = None, *,
       raise ValueError(
           "state_bits needs a compensation ('stochastic' or 'kahan'):"
           " compensation=None computes the moments in the half dtype")
+  if compensation == "auto" and state_bits is not None:
+    # Not silently: O3 alone means Kahan, and a user who read that should
+    # see the switch (the compensation buffer would cost what 8 bits save).
+    warnings.warn(
+        f"preset('O3', state_bits={state_bits}) trains with"
+        " compensation='stochastic', not O3's default 'kahan' (Kahan's"
+        " compensation buffer adds 2 bytes per parameter to the"
+        f" {4 if state_bits == 8 else 3} of params and state); pass"
+        " compensation='stochastic' or 'kahan' to choose", UserWarning,
+        stacklevel=2)
+    compensation = "stochastic"
   if compensation == "auto":
-    compensation = (None if name != "O3" else
-                    "kahan" if state_bits is None else "stochastic")
+    compensation = "kahan" if name == "O3" else None
   if compensation not in _COMPENSATIONS:
     raise ValueError(
         f"Unknown compensation {compensation!r}; expected one of"

@@ -238,7 +238,7 @@ def test_presets_wrap_nnx_models(level):
 
 @pytest.mark.parametrize("bits,limit", [(8, 4.1), (4, 3.1)])
 def test_o3_state_bits_is_the_quantized_recipe(bits, limit):
-  o3 = preset("O3", half="bf16", state_bits=bits)
+  o3 = preset("O3", half="bf16", state_bits=bits, compensation="stochastic")
   assert o3.compensation == "stochastic" and o3.state_bits == bits
   opt = o3.optimizer(optax.adam(1e-3), seed=3)
   params = {"w": jnp.ones((16, 512), jnp.bfloat16)}
@@ -256,6 +256,20 @@ def test_o3_state_bits_is_the_quantized_recipe(bits, limit):
                                   compensation="kahan")
   assert isinstance(kahan.optimizer(optax.adam(1e-3)).init(params),
                     low_precision.KahanState)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_o3_state_bits_without_a_compensation_warns_of_the_switch(bits):
+  # O3 alone means Kahan; with state_bits "auto" picks stochastic rounding,
+  # and says so. Naming the compensation is silent (warnings are errors).
+  with pytest.warns(UserWarning, match="compensation='stochastic', not O3's"
+                    " default 'kahan'"):
+    o3 = preset("O3", half="bf16", state_bits=bits)
+  assert o3.compensation == "stochastic"
+  assert preset("O3", half="bf16").compensation == "kahan"
+  for chosen in ("stochastic", "kahan"):
+    assert preset("O3", half="bf16", state_bits=bits,
+                  compensation=chosen).compensation == chosen
 
 
 @pytest.mark.parametrize("kwargs,match", [
