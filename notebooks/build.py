@@ -73,7 +73,7 @@ needs no scaling (float32's exponent range)."""),
         ("md", """\
 # O0 / O1 / O2 / O3 and float16 + dynamic scaling, side by side
 
-The seeds' comparison (Paddle's FP32 / O1 / O2 table, Colossal-AI's
+The usual comparison (Paddle's FP32 / O1 / O2 table, Colossal-AI's
 throughput and memory) on the digits MLP: time per step, final loss, and
 memory: params + optimizer state, and the activations kept for the backward
 pass. On the CPU half precision is emulated, so the *times* favour float32
