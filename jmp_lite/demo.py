@@ -2,7 +2,7 @@
 
 Trains the same Flax MLP (written with no dtype arguments; precision comes
 from :func:`jmp_lite.linen.mixed_precision`) on a synthetic regression task on
-the default backend and prints the seeds' comparison table: time per step and
+the default backend and prints a comparison table: time per step and
 speed-up over float32, final loss, skipped steps, and memory (params +
 optimizer state, and the activations saved for the backward pass).
 """
