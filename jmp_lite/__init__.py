@@ -22,6 +22,7 @@ from jmp_lite import diagnostics as diagnostics
 from jmp_lite import distributed as distributed
 from jmp_lite import dtypes as dtypes
 from jmp_lite import finite as finite
+from jmp_lite import fp4 as fp4
 from jmp_lite import fp8 as fp8
 from jmp_lite import loss_scale as loss_scale
 from jmp_lite import low_precision as low_precision

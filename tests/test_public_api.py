@@ -94,7 +94,7 @@ def test_every_module_path_the_docs_show_still_imports():
   """Users have code: the paths the README, docs and notebooks show."""
   for modname in ("dtypes", "struct", "step", "transforms", "master",
                   "accumulation", "low_precision", "contract", "diagnostics",
-                  "fp8", "path_rules", "policy", "loss_scale", "finite",
+                  "fp8", "fp4", "path_rules", "policy", "loss_scale", "finite",
                   "autocasting", "examples"):
     assert inspect.ismodule(getattr(jmp_lite, modname, None)) or (
         importlib.import_module(f"jmp_lite.{modname}")), modname
@@ -119,8 +119,9 @@ def test_one_meaning_per_name():
   # (jmp_lite.linen.mixed_precision, jmp_lite.nnx.mixed_precision, ...;
   # jmp_lite.fp8.nnx.commit is jmp_lite.fp8.commit for nnx modules): the
   # same meaning, for another framework.
+  # jmp_lite.fp4 mirrors jmp_lite.fp8's API (dot_general) for 4-bit formats.
   adapters = {"jmp_lite.linen", "jmp_lite.nnx", "jmp_lite.equinox",
-              "jmp_lite.fp8.linen", "jmp_lite.fp8.nnx"}
+              "jmp_lite.fp8.linen", "jmp_lite.fp8.nnx", "jmp_lite.fp4"}
   clashes = {name: list(by_id.values()) for name, by_id in meanings.items()
              if len(by_id) > 1 and len(
                  {m for mods in by_id.values() for m in mods} - adapters) > 1}
