@@ -10,6 +10,7 @@ page's examples must leave behind. The README runs in tests/test_readme.py.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -76,13 +77,21 @@ def _pages():
       yield pytest.param(page, id=page.stem, marks=marks)
 
 
+def _reader_env() -> dict[str, str]:
+  # As a reader starts Python: no device count from outside (a page that
+  # wants several devices asks for them); the suite's compile flags stay.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return dict(os.environ, XLA_FLAGS=" ".join(flags))
+
+
 @pytest.mark.parametrize("page", list(_pages()))
 def test_page_runs_on_its_own(page):
   least, checks = PAGE_CHECKS.get(page.stem, (1, ()))
   assert len(_python_blocks(page)) >= least
   proc = subprocess.run(
       [sys.executable, "-c", RUNNER, str(page), *checks], cwd=ROOT,
-      capture_output=True, text=True, timeout=600)
+      capture_output=True, text=True, timeout=600, env=_reader_env())
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
   assert proc.stdout.splitlines()[-1].startswith("ok "), proc.stdout
 
