@@ -169,6 +169,8 @@ API_MODULES = [
     "jmp_lite.fp8.linen",
     "jmp_lite.fp8.nnx",
     "jmp_lite.fp4",
+    "jmp_lite.fp4.linen",
+    "jmp_lite.fp4.nnx",
     "jmp_lite.diagnostics",
     "jmp_lite.step",
     "jmp_lite.master",
