@@ -33,12 +33,14 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite.fp4._recipes import RECIPES as _FP4_RECIPES
 from jmp_lite.fp8._recipes import CurrentScaling, DelayedScaling, MXFP8
 from jmp_lite.policy import get_policy, Policy
 
 __all__ = ["FLOAT32", "Resolved", "Rule", "RuleSet"]
 
-_RECIPES = (CurrentScaling, DelayedScaling, MXFP8)
+# FP8 and FP4 recipes: a rule's low-precision matmul format.
+_RECIPES = (CurrentScaling, DelayedScaling, MXFP8, *_FP4_RECIPES)
 
 Path = tuple[str, ...]
 
@@ -90,7 +92,8 @@ class Rule:
       :class:`~jmp_lite.fp8.DelayedScaling`: the matched modules' (and their
       children's) matmuls run in FP8 with it, in the (inherited) policy's
       compute dtype around them. A rule without ``fp8`` ends an FP8 region
-      (a float32 rule is not FP8).
+      (a float32 rule is not FP8). A :mod:`jmp_lite.fp4` recipe
+      (``NVFP4``, ``MXFP4``, ``PerDirection``) runs them in FP4 instead.
 
   Example:
     >>> import flax.linen as nn, jmp_lite, jmp_lite.rules
@@ -136,13 +139,15 @@ class Rule:
       raise TypeError(
           f"Rule for {self.matcher!r} needs a policy (or policy string) or an"
           " FP8 recipe (jmp_lite.fp8.CurrentScaling / DelayedScaling /"
-          " MXFP8)")
+          " MXFP8) or FP4 recipe (jmp_lite.fp4.NVFP4 / MXFP4 /"
+          " PerDirection)")
     if policy is not None:
       policy = as_policy(policy, "A rule's policy")
     if fp8 is not None and not isinstance(fp8, _RECIPES):
       raise TypeError(
           "A rule's fp8 must be a jmp_lite.fp8.CurrentScaling,"
-          " DelayedScaling or MXFP8 recipe, got"
+          " DelayedScaling or MXFP8 recipe (or a jmp_lite.fp4 NVFP4,"
+          " MXFP4 or PerDirection one), got"
           f" {type(fp8).__name__}: {fp8!r}")
     object.__setattr__(self, "matcher", m)
     object.__setattr__(self, "policy", policy)
@@ -162,11 +167,15 @@ class Rule:
       return self.matcher.fullmatch("/".join(path)) is not None
     return issubclass(cls, self.matcher)
 
+  def _format(self) -> str:
+    return "fp4" if isinstance(self.fp8, _FP4_RECIPES) else "fp8"
+
   def describe(self) -> str:
     """A short text for error messages and reports."""
     what = " ".join(
         part for part in (str(self.policy) if self.policy else "",
-                          f"fp8 {type(self.fp8).__name__}" if self.fp8 else "")
+                          f"{self._format()} {type(self.fp8).__name__}"
+                          if self.fp8 else "")
         if part)
     if isinstance(self.matcher, re.Pattern):
       return f"path {self.matcher.pattern!r} -> {what}"

@@ -41,8 +41,14 @@ def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
     >>> aval.shape, aval.dtype
     ((2, 3), dtype('float32'))
   """
-  from jmp_lite import fp8  # Imported on first use only.
+  from jmp_lite import fp4, fp8  # Imported on first use only.
 
+  if isinstance(recipe, (fp4.NVFP4, fp4.MXFP4, fp4.PerDirection)):
+    # No key in autocast: FP4's deterministic backward pass.
+    return _jaxpr.traced_call(
+        lambda a, b: fp4.dot_general(recipe)(a, b, dims),
+        [jax.ShapeDtypeStruct(lhs_shape, dtype),
+         jax.ShapeDtypeStruct(rhs_shape, dtype)])
   if not delayed and isinstance(recipe, fp8.DelayedScaling):
     # A matmul without a state of its own: the same formats, just in time.
     recipe = fp8.CurrentScaling(recipe.fwd_dtype, recipe.bwd_dtype,

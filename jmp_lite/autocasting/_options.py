@@ -185,8 +185,10 @@ def make_config(policy_or_dtype: Any, *, allow: Iterable[Any] = (),
       raise TypeError(f"{what} must be a sequence of scope names, got"
                       f" {scopes!r}")
   if fp8 is not None:
+    from jmp_lite.fp4._recipes import RECIPES as FP4_RECIPES
     from jmp_lite.fp8._recipes import check_recipe
-    check_recipe(fp8)
+    if not isinstance(fp8, FP4_RECIPES):  # FP4 recipes run the same way.
+      check_recipe(fp8)
   elif fp8_scopes is not None or fp8_exclude_scopes:
     raise ValueError("fp8_scopes/fp8_exclude_scopes need an fp8= recipe")
   return Config(compute=compute, lower=frozenset(lower),

@@ -333,7 +333,11 @@ def _run_layer(module: nn.Module, resolved: _rules.Resolved,
   values = {"dtype": policy.compute_dtype,
             "param_dtype": creation_dtype(policy)}
   if resolved.fp8 is not None:
-    from jmp_lite.fp8 import linen as fp8_linen  # Flax-dependent, on demand.
+    from jmp_lite.fp4._recipes import RECIPES as FP4_RECIPES
+    if isinstance(resolved.fp8, FP4_RECIPES):
+      from jmp_lite.fp4 import linen as fp8_linen  # FP4: the same fields.
+    else:
+      from jmp_lite.fp8 import linen as fp8_linen  # Flax, on demand.
     try:
       values.update(fp8_linen.layer_fields(resolved.fp8, type(module)))
     except TypeError:

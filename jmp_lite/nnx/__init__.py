@@ -359,9 +359,13 @@ def _install_fp8(modules: dict[Path, nnx.Module],
            and "dot_general" in vars(m) and _call.is_flax_layer(m)]
   if not ruled:
     return
+  from jmp_lite.fp4 import nnx as fp4_nnx
+  from jmp_lite.fp4._recipes import RECIPES as FP4_RECIPES
   from jmp_lite.fp8 import nnx as fp8_nnx  # On demand: FP8 rules only.
   for path, module in ruled:
-    dot = fp8_nnx.dot_general_for(resolved[path].fp8)
+    recipe = resolved[path].fp8
+    dot = (fp4_nnx.dot_general_for(recipe) if isinstance(recipe, FP4_RECIPES)
+           else fp8_nnx.dot_general_for(recipe))
     # A Flax linear layer, which has a dot_general attribute (checked above).
     layer = cast(Any, module)
     # A module (delayed scaling's state) must become a data attribute.
