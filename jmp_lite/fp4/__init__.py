@@ -9,6 +9,8 @@
   forward and both gradient GEMMs on FP4 operands; plugs into Flax's
   ``dot_general=`` arguments, Equinox modules, policy rules and autocast.
 * :func:`quantize_dequantize`: the FP4 values a GEMM sees of a tensor.
+* :func:`all_gather`: an FSDP weight gather moving 4-bit codes and 8-bit
+  scales (0.25x-0.28x a bfloat16 gather's bytes).
 * :mod:`jmp_lite.fp4.linen` and :mod:`jmp_lite.fp4.nnx` (import them
   explicitly; they import Flax): layers that draw a fresh key per call.
 
@@ -25,6 +27,7 @@ Example:
 """
 
 from jmp_lite.fp4._dot import dot_general as dot_general
+from jmp_lite.fp4._gather import all_gather as all_gather
 from jmp_lite.fp4._quantize import quantize_dequantize as quantize_dequantize
 from jmp_lite.fp4._recipes import E2M1 as E2M1
 from jmp_lite.fp4._recipes import MXFP4 as MXFP4
@@ -38,6 +41,7 @@ __all__ = (
     "NVFP4",
     "PerDirection",
     "ROLES",
+    "all_gather",
     "dot_general",
     "quantize_dequantize",
 )

@@ -136,7 +136,8 @@ def round_e2m1(v: jax.Array, key: jax.Array | None = None) -> jax.Array:
 
 
 def quantize_blocks(x: jax.Array, fmt: Format, *, tiles: bool = False,
-                    key: jax.Array | None = None) -> Quantized:
+                    key: jax.Array | None = None,
+                    amax: jax.Array | None = None) -> Quantized:
   """Quantises ``x (B, P, C)`` in blocks along its last axis.
 
   Args:
@@ -145,6 +146,8 @@ def quantize_blocks(x: jax.Array, fmt: Format, *, tiles: bool = False,
     tiles: one scale per ``bs x bs`` tile (rows grouped too; NVFP4's 2-D
       weights) rather than per ``1 x bs`` block.
     key: stochastic rounding's key; ``None`` rounds to nearest even.
+    amax: NVFP4's per-tensor amax, when ``x`` is a shard of the tensor;
+      default ``max(|x|)``.
 
   Returns:
     The :class:`Quantized` tensor (``C`` zero-padded to whole blocks).
@@ -179,7 +182,8 @@ def quantize_blocks(x: jax.Array, fmt: Format, *, tiles: bool = False,
     v = jnp.where(bad[..., None], np.float32(0), v)
     enc = jnp.ones((), _F32)
   else:
-    amax = jnp.max(absx, initial=np.float32(0))
+    if amax is None:
+      amax = jnp.max(absx, initial=np.float32(0))
     finite = jnp.isfinite(amax)
     usable = finite & (amax > 0)
     s_enc = jnp.where(usable, jnp.minimum(
