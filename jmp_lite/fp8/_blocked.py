@@ -47,7 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
-from jmp_lite.fp8._quantize import scale_for, scale_inv_for
+from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
+from jmp_lite.fp8._quantize import cast_limit, scale_for, scale_inv_for
+from jmp_lite.fp8._recipes import MXFP8
 
 __all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
            "pow2", "quantize_blocks", "scaled_dot"]
@@ -55,6 +57,9 @@ __all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
 _F32 = np.dtype(np.float32)
 # E8M0's exponent range (its 0xFF encoding is NaN).
 _E8M0_MIN, _E8M0_MAX = -127, 127
+# The smallest scale exponent quantisation uses (2**-126: float32's smallest
+# normal number).
+_SCALE_MIN_EXP = -126
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +157,27 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def _cast(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``x * scale`` (one scale per block) cast to ``dtype``, saturating."""
+  limit = cast_limit(scale, dtype)
+  return jnp.clip(x.astype(_F32) * scale, -limit, limit).astype(dtype)
+
+
+def _cast_mx(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  """:func:`_cast` for MX blocks, whose dequantised values stay finite.
+
+  Near float32's maximum, rounding to the FP8 grid can round a block's
+  largest elements up to a value that times the block's scale is 2**128
+  (1.99 * 2**127 rounds to 2 * 2**127 with E4M3's 3 mantissa bits). Those
+  elements are clipped instead to the largest FP8 value whose dequantised
+  value is finite, ``(2 - 2**-mantissa) * 2**127 * scale`` (exact: the
+  scales are powers of two), one FP8 ulp below.
+  """
   fmax = np.float32(jnp.finfo(dtype).max)
-  return jax.lax.clamp(-fmax, x.astype(_F32) * scale, fmax).astype(dtype)
+  nmant = int(jnp.finfo(dtype).nmant)
+  top = np.float32((2.0 - 2.0 ** -nmant) * 2.0 ** 127)
+  limit = jnp.minimum(fmax, top * scale)[..., None]
+  return jnp.clip(x.astype(_F32) * scale[..., None], -limit, limit
+                  ).astype(dtype)
 
 
 def quantize_blocks(x: jax.Array, layout: Layout
@@ -196,11 +220,15 @@ def quantize_blocks(x: jax.Array, layout: Layout
   if layout.kind == "mx":
     exp = mx_exponent(amax, layout.dtype, layout.rounding)
     nan = exp > _E8M0_MAX
-    inv = jnp.where(nan, np.float32(np.nan), pow2(jnp.minimum(exp, 127)))
-    scale = pow2(-jnp.minimum(exp, 127))
-  else:
-    scale = scale_for(amax, layout.dtype, layout.margin)
-    inv = scale_inv_for(scale, amax)
+    # 2**-127, E8M0's smallest scale, is a float32 subnormal, which XLA
+    # flushes to zero (a block of tiny values would dequantise to 0): the
+    # scales stop at 2**-126, as per-tensor ones do.
+    exp = jnp.clip(exp, _SCALE_MIN_EXP, _E8M0_MAX)
+    inv = jnp.where(nan, np.float32(np.nan), pow2(exp))
+    scale = pow2(-exp)
+    return _cast_mx(blocks, scale, layout.dtype), inv
+  scale = scale_for(amax, layout.dtype, layout.margin)
+  inv = scale_inv_for(scale, amax)
   return _cast(blocks, scale[..., None], layout.dtype), inv
 
 
@@ -241,11 +269,10 @@ def batched_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   ``qa (B, P, nb, bs)`` with de-scale factors ``ia (B, P, nb)`` times ``qb
   (B, Q, nb, bs)``, ``ib (B, Q, nb)``, into float32 ``(B, P, Q)``.
   """
-  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
   # (B, nb, P, Q): one exact FP8 product per block, accumulated in float32.
-  part = _matmul(qa, qb, (((3,), (3,)), ((0, 2), (0, 2))))
-  scaled = (part * jnp.transpose(ia, (0, 2, 1))[..., None]
-            * jnp.transpose(ib, (0, 2, 1))[:, :, None, :])
+  part = fp8_matmul(qa, qb, (((3,), (3,)), ((0, 2), (0, 2))))
+  scaled = descale(part, jnp.transpose(ia, (0, 2, 1))[..., None],
+                   jnp.transpose(ib, (0, 2, 1))[:, :, None, :])
   return jnp.sum(scaled, axis=1)
 
 
@@ -257,13 +284,11 @@ def looped_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   float32 intermediate: a ``lax.scan`` over the blocks, each step one FP8
   dot of ``bs``-long rows, de-scaled and added.
   """
-  from jmp_lite.fp8._dot import _matmul  # A cycle otherwise: _dot uses us.
-
   def step(acc: jax.Array, block: tuple[jax.Array, ...]
            ) -> tuple[jax.Array, None]:
     qa_k, ia_k, qb_k, ib_k = block
-    part = _matmul(qa_k, qb_k, (((2,), (2,)), ((0,), (0,))))
-    return acc + part * ia_k[:, :, None] * ib_k[:, None, :], None
+    part = fp8_matmul(qa_k, qb_k, (((2,), (2,)), ((0,), (0,))))
+    return acc + descale(part, ia_k[:, :, None], ib_k[:, None, :]), None
 
   b, p, _, _ = qa.shape
   blocks = (jnp.moveaxis(qa, 2, 0), jnp.moveaxis(ia, 2, 0),
@@ -320,7 +345,6 @@ def plan_for(recipe: Any, out_dtype: np.dtype) -> _Plan:
   rows): both are lhs-like (``1 x bs`` blocks along the rows), as in
   DeepSeek-V3.
   """
-  from jmp_lite.fp8._recipes import MXFP8
   if isinstance(recipe, MXFP8):
     f = Layout("mx", recipe.fwd_dtype, 0, MXFP8.BLOCK, recipe.scale_rounding)
     g = dataclasses.replace(f, dtype=recipe.bwd_dtype)
@@ -346,13 +370,12 @@ def _canonical_fwd(x, w, plan):
 
 
 def _canonical_bwd(plan, res, g):
-  from jmp_lite.fp8._dot import _like_primal
   x, w = res
   # d x = g (B, M, N) . w^T (B, K, N); d w = g^T (B, N, M) . x^T (B, K, M).
   dx = _qdot(g, jnp.swapaxes(w, 1, 2), *plan.dgrad)
   dw = _qdot(jnp.swapaxes(g, 1, 2), jnp.swapaxes(x, 1, 2), *plan.wgrad)
-  dx = _like_primal(dx, x, jax.lax.psum)
-  dw = _like_primal(dw, w, jax.lax.psum)
+  dx = like_primal(dx, x, jax.lax.psum)
+  dw = like_primal(dw, w, jax.lax.psum)
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -2,11 +2,13 @@
 
 How it is written, and why (XLA:GPU on H100): the matmul is a
 ``lax.dot_general`` whose *operands are FP8 arrays* and whose result is
-float32 (``preferred_element_type``), followed by one multiply with the
-product of the two de-scale factors. XLA's GEMM rewriter turns an FP8 x FP8
-dot into a cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``) and folds a
-following multiply by a broadcast scalar into the GEMM's scale operand
-(openxla ``gemm_rewriter_fp8_test.cc``: ``UnscaledABUnscaledDF8``,
+float32 (``preferred_element_type``), followed by the de-scale: a multiply
+by the product of the two de-scale factors, then by 1 (by the factors one
+after the other where their product would under- or overflow float32,
+``_matmul.descale``). XLA's GEMM rewriter turns an FP8 x FP8 dot into a
+cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``) and folds a following
+multiply by a broadcast scalar into the GEMM's scale operand (openxla
+``gemm_rewriter_fp8_test.cc``: ``UnscaledABUnscaledDF8``,
 ``ScaledABUnscaledDColMajorLhsF8``). The alternative, quantise-dequantise
 (cast to FP8, back to bf16/f32, multiply by the scale, then a *higher
 precision* dot), is matched by the same pass only while the
@@ -34,9 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._jaxpr import varying_axes
-from jmp_lite.dtypes import float8_values
 from jmp_lite.fp8._blocked import fine_dot
+from jmp_lite.fp8._matmul import (
+  check_like_lax,
+  descale,
+  DimensionNumbers,
+  fp8_matmul,
+  like_primal,
+  normalize_dims,
+)
 from jmp_lite.fp8._quantize import (
   amax_of,
   cast_saturating,
@@ -57,10 +65,6 @@ __all__ = ["dot_general"]
 
 _F32 = np.dtype(np.float32)
 
-DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
-                         tuple[tuple[int, ...], tuple[int, ...]]]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Everything about one FP8 dot that is not an array (hashable)."""
@@ -74,17 +78,6 @@ class _Static:
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
   out_sharding: Any = None
-
-
-def _normalize_dims(dimension_numbers: Any) -> DimensionNumbers:
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    return ((tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
-            (tuple(int(d) for d in lb), tuple(int(d) for d in rb)))
-  except (TypeError, ValueError):
-    raise TypeError(
-        "dimension_numbers must be ((lhs_contracting, rhs_contracting),"
-        f" (lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
 
 
 def _free(ndim: int, *used: Sequence[int]) -> tuple[int, ...]:
@@ -122,36 +115,6 @@ def _permuted(x: jax.Array, perm: tuple[int, ...]) -> jax.Array:
   return jax.lax.transpose(x, perm)
 
 
-# XLA:GPU runs a dot whose two operands hold fewer elements than this, batch
-# dimensions aside, in its loop emitter instead of a GEMM library
-# (``--xla_gpu_gemm_rewrite_size_threshold``, default 100). There FP8 operands
-# are converted to float16 and multiplied in float16, where products of
-# scaled FP8 values (up to 448 * 448) overflow: measured on an H100, a
-# 4x8 @ 8x3 FP8 dot came back inf and NaN.
-_GPU_LOOP_DOT_ELEMENTS = 100
-
-
-def _matmul(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
-            **kwargs: Any) -> jax.Array:
-  """``dot_general`` of two FP8 arrays, accumulated and returned in float32.
-
-  On a GPU, a dot too small for a GEMM library (see above) runs on the FP8
-  values in float32 instead: the same products, never overflowing.
-  """
-  (_, _), (lb, rb) = dims
-  if jax.default_backend() == "gpu":
-    per_batch = sum(
-        int(np.prod([n for d, n in enumerate(x.shape) if d not in batch]))
-        for x, batch in ((lhs, lb), (rhs, rb)))
-    if per_batch < _GPU_LOOP_DOT_ELEMENTS:
-      # Decoded from the bits: a cast to float32 would be deleted with the
-      # quantising cast before it (XLA:GPU's excess precision), leaving
-      # unrounded values.
-      lhs, rhs = float8_values(lhs), float8_values(rhs)
-  return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32,
-                             **kwargs)
-
-
 def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
               lhs: jax.Array) -> jax.Array:
   """The dot_general transpose for the lhs: f32 ``d out / d lhs`` contracted.
@@ -175,7 +138,7 @@ def _grad_lhs(g: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
   for l_dim, r_dim in zip(lc, rc, strict=True):
     position[l_dim] = nb + len(lhs_free) + rc_sorted.index(r_dim)
   order = sorted(range(lhs.ndim), key=position.__getitem__)
-  out = _matmul(g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+  out = fp8_matmul(g, rhs, ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
                 out_sharding=_out_sharding(lhs, order))
   return _permuted(out, tuple(position[d] for d in range(lhs.ndim)))
 
@@ -199,7 +162,7 @@ def _grad_rhs(lhs: jax.Array, g: jax.Array, dims: DimensionNumbers,
   order = sorted(range(rhs.ndim), key=position.__getitem__)
   # lhs first, so that the result is (batch, lhs contracting, rhs free):
   # already close to rhs order for the usual x @ W (no transpose at all).
-  out = _matmul(lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
+  out = fp8_matmul(lhs, g, ((lhs_free, g_lhs_free), (lb, tuple(range(nb)))),
                 out_sharding=_out_sharding(rhs, order))
   return _permuted(out, tuple(position[d] for d in range(rhs.ndim)))
 
@@ -216,26 +179,13 @@ def _scaled(x: jax.Array, own_amax: jax.Array, delayed_amax: jax.Array,
   return cast_saturating(x, scale, dtype), scale_inv_for(scale, own_amax)
 
 
-def _like_primal(ct: jax.Array, primal: jax.Array,
-                 reduce: Callable[..., jax.Array]) -> jax.Array:
-  """``ct`` reduced over the mapped axes it varies over and ``primal`` not.
-
-  Inside ``shard_map`` an operand replicated over an axis (a weight) meets
-  one that varies over it (the batch): its cotangent is the sum over that
-  axis (the transpose of JAX's implicit broadcast), and an observed amax the
-  maximum.
-  """
-  extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
-  return reduce(ct, extra) if extra else ct
-
-
 def _forward(lhs, rhs, delayed_amax, st: _Static):
   a_l, a_r = amax_of(lhs), amax_of(rhs)
   q_l, inv_l = _scaled(lhs, a_l, delayed_amax[0], st.fwd_dtype, st)
   q_r, inv_r = _scaled(rhs, a_r, delayed_amax[1], st.fwd_dtype, st)
   kwargs = {} if st.out_sharding is None else {"out_sharding": st.out_sharding}
-  out = _matmul(q_l, q_r, st.dims, **kwargs)
-  out = (out * (inv_l * inv_r)).astype(st.out_dtype)
+  out = fp8_matmul(q_l, q_r, st.dims, **kwargs)
+  out = descale(out, inv_l, inv_r).astype(st.out_dtype)
   return out, (q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax)
 
 
@@ -254,11 +204,11 @@ def _fp8_dot_bwd(st: _Static, res, g):
   q_l, q_r, inv_l, inv_r, a_l, a_r, delayed_amax, probe = res
   a_g = amax_of(g)
   q_g, inv_g = _scaled(g, a_g, delayed_amax[2], st.bwd_dtype, st)
-  d_lhs = _grad_lhs(q_g, q_r, st.dims, q_l) * (inv_g * inv_r)
-  d_rhs = _grad_rhs(q_l, q_g, st.dims, q_r) * (inv_l * inv_g)
-  d_lhs = _like_primal(d_lhs, q_l, jax.lax.psum)
-  d_rhs = _like_primal(d_rhs, q_r, jax.lax.psum)
-  observed = _like_primal(jnp.stack([a_l, a_r, a_g]), probe, jax.lax.pmax)
+  d_lhs = descale(_grad_lhs(q_g, q_r, st.dims, q_l), inv_g, inv_r)
+  d_rhs = descale(_grad_rhs(q_l, q_g, st.dims, q_r), inv_l, inv_g)
+  d_lhs = like_primal(d_lhs, q_l, jax.lax.psum)
+  d_rhs = like_primal(d_rhs, q_r, jax.lax.psum)
+  observed = like_primal(jnp.stack([a_l, a_r, a_g]), probe, jax.lax.pmax)
   return (d_lhs.astype(st.lhs_dtype), d_rhs.astype(st.rhs_dtype),
           jnp.zeros_like(delayed_amax), observed)
 
@@ -314,13 +264,18 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
   Returns:
     ``f(lhs, rhs, dimension_numbers, precision=None,
     preferred_element_type=None, out_sharding=None)``. ``precision`` is
-    accepted and ignored (the FP8 formats decide the precision);
+    checked as ``dot_general`` checks it, then ignored (the FP8 formats
+    decide the precision); ``preferred_element_type`` must be floating;
     ``out_sharding`` is passed on to the forward matmul.
 
   Raises:
     TypeError: for a recipe that is not one, a missing or unexpected
-      ``state``; from ``f``, for non-floating operands, malformed
-      ``dimension_numbers`` or an unknown keyword.
+      ``state``; from ``f``, for non-floating operands, a non-floating
+      ``preferred_element_type``, malformed ``dimension_numbers``, any that
+      ``jax.lax.dot_general`` rejects for these shapes (with its message),
+      or an unknown keyword.
+    ValueError: for a ``state`` whose history length is not the recipe's;
+      from ``f``, for a ``precision`` ``dot_general`` rejects.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -339,6 +294,15 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
       raise TypeError(
           "DelayedScaling needs the matmul's state: fp8.dot_general(recipe,"
           f" state) with state = recipe.init(), got {state!r}")
+    length = getattr(state.history, "shape", (None,))[-1]
+    if length is not None and length != recipe.history:
+      # The history's length is how the state was made: one made for
+      # another recipe (say, restored from a checkpoint of another run)
+      # would otherwise be read silently by this one's rule.
+      raise ValueError(
+          f"This ScalingState holds a history of {length} steps, the recipe"
+          f" DelayedScaling(history={recipe.history}) keeps"
+          f" {recipe.history}: make the state with this recipe's init()")
     scaling = (recipe, state)
   elif state is not None:
     raise TypeError(f"{type(recipe).__name__} is stateless; pass no state"
@@ -349,21 +313,21 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
                       dimension_numbers: Any, precision: Any = None,
                       preferred_element_type: Any = None,
                       out_sharding: Any = None) -> jax.Array:
-    del precision  # The FP8 formats and float32 accumulation decide it.
     lhs = _floating(lhs, "lhs")
     rhs = _floating(rhs, "rhs")
+    dims = normalize_dims(dimension_numbers)
+    check_like_lax(lhs, rhs, dims, precision, preferred_element_type)
     if preferred_element_type is None:
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
     if fine:
-      out = fine_dot(lhs, rhs, _normalize_dims(dimension_numbers), recipe,
-                     out_dtype)
+      out = fine_dot(lhs, rhs, dims, recipe, out_dtype)
       if out_sharding is not None:
         out = jax.sharding.reshard(out, out_sharding)
       return out
     assert not isinstance(recipe, MXFP8)
-    st = _Static(dims=_normalize_dims(dimension_numbers),
+    st = _Static(dims=dims,
                  fwd_dtype=recipe.fwd_dtype, bwd_dtype=recipe.bwd_dtype,
                  margin=recipe.margin, delayed=scaling is not None,
                  out_dtype=out_dtype,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._checks import check_axis_name
 from jmp_lite.fp8._blocked import Layout, pow2, quantize_blocks
 from jmp_lite.fp8._quantize import amax_of, cast_saturating, scale_for
 from jmp_lite.fp8._recipes import check_recipe, DelayedScaling, MXFP8, Recipe
@@ -132,7 +134,8 @@ def all_gather(x: jax.typing.ArrayLike, axis_name: Any, recipe: Recipe,
     The gathered tensor, ``x``'s dtype.
 
   Raises:
-    TypeError: for a non-recipe or non-floating ``x``.
+    TypeError: for a non-recipe, non-floating ``x``, an ``axis_name`` that
+      is no str or tuple of str, or a non-integer ``axis``.
     ValueError: for an ``axis`` out of range, or a shard size the blocks
       do not divide where they must.
 
@@ -150,13 +153,19 @@ def all_gather(x: jax.typing.ArrayLike, axis_name: Any, recipe: Recipe,
     ((2, 32), 12.0)
   """
   recipe = check_recipe(recipe)
+  if axis_name is None:
+    raise TypeError("fp8.all_gather needs the mapped axis to gather over:"
+                    " axis_name must be a str or a tuple of str, got None")
+  check_axis_name(axis_name)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"fp8.all_gather expects a floating array, got {x.dtype}")
-  if isinstance(axis, bool) or not isinstance(axis, int) or not (
-      -x.ndim <= axis < x.ndim):
+  if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+    raise TypeError(f"fp8.all_gather: axis must be an int, got"
+                    f" {type(axis).__name__}: {axis!r}")
+  if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis {axis!r} is out of range for a {x.ndim}-d array")
-  axis %= x.ndim
+  axis = int(axis) % x.ndim
   layout = _layout(recipe)
   if layout is not None and layout.kind == "row" and axis == x.ndim - 1:
     raise ValueError("fp8.all_gather with granularity='row' scales along the"

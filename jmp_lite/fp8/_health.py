@@ -16,7 +16,7 @@ from jmp_lite.fp8._blocked import Layout, quantize_blocks
 from jmp_lite.fp8._quantize import amax_of, cast_saturating, scale_for
 from jmp_lite.fp8._recipes import (
   _fp8_dtype,
-  _non_negative_int,
+  check_margin,
   check_recipe,
   CurrentScaling,
   MXFP8,
@@ -235,7 +235,7 @@ def quantization_health(tree: Any, dtype: Any = None, *,
     dtype = recipe.bwd_dtype if operand == "grad" else recipe.fwd_dtype
     margin = recipe.margin
   dtype = _fp8_dtype(jnp.float8_e4m3fn if dtype is None else dtype, "dtype")
-  margin = _non_negative_int(0 if margin is None else margin, "margin")
+  margin = check_margin(0 if margin is None else margin, dtype)
   where = int(axis) if axis is not None else (0 if operand == "rhs" else -1)
 
   def leaf(x: Any, given: Any) -> Any:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.fp8._recipes import _fp8_dtype, _non_negative_int
+from jmp_lite.fp8._recipes import _fp8_dtype, check_margin
 
 __all__ = ["quantize"]
 
@@ -54,16 +54,32 @@ def scale_inv_for(scale: jax.Array, amax: jax.Array) -> jax.Array:
                    np.float32(np.nan))
 
 
+def cast_limit(scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  """The largest FP8 value a cast at ``scale`` may produce.
+
+  The format's maximum, except where the scale sits at its floor
+  ``2**-126`` (an amax past ``max * 2**126 / 2**margin``): there the amax
+  lands above its target, and an element rounded up to ``4 * 2**-126 *
+  2**126`` would dequantise to ``2**128``, inf. Such elements keep the
+  largest FP8 value whose de-scaled value is finite, ``(2 - 2**-mantissa)
+  * 2``, one FP8 step below.
+  """
+  fmax = np.float32(jnp.finfo(dtype).max)
+  nmant = int(jnp.finfo(dtype).nmant)
+  top = np.float32(min((2.0 - 2.0 ** -nmant) * 2.0, float(fmax)))
+  return jnp.where(scale <= np.float32(_MIN_SCALE), top, fmax)
+
+
 def cast_saturating(x: jax.Array, scale: jax.Array,
                     dtype: np.dtype) -> jax.Array:
   """``x * scale`` clipped to the format's finite range, cast to ``dtype``.
 
   Clipping matters: E4M3 has no infinity, and a value past its maximum
-  converts to NaN.
+  converts to NaN. ``scale`` is a scalar (see :func:`cast_limit`).
   """
-  fmax = np.float32(jnp.finfo(dtype).max)
+  limit = cast_limit(scale, dtype)
   wide = x.astype(_F32) * scale
-  return jax.lax.clamp(-fmax, wide, fmax).astype(dtype)
+  return jax.lax.clamp(-limit, wide, limit).astype(dtype)
 
 
 def quantize(x: jax.typing.ArrayLike, dtype: Any = jnp.float8_e4m3fn, *,
@@ -86,6 +102,9 @@ def quantize(x: jax.typing.ArrayLike, dtype: Any = jnp.float8_e4m3fn, *,
 
   Raises:
     TypeError: if ``dtype`` is not an FP8 format or ``x`` is not floating.
+    ValueError: for a ``margin`` that would put the amax below the format's
+      smallest normal number (past 14 for E4M3, 29 for E5M2), or an
+      ``amax`` that is no scalar.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -97,7 +116,7 @@ def quantize(x: jax.typing.ArrayLike, dtype: Any = jnp.float8_e4m3fn, *,
     [0.964, -3.0]
   """
   dtype = _fp8_dtype(dtype, "dtype")
-  margin = _non_negative_int(margin, "margin")
+  margin = check_margin(margin, dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize expects a floating array, got {x.dtype}")
@@ -105,6 +124,9 @@ def quantize(x: jax.typing.ArrayLike, dtype: Any = jnp.float8_e4m3fn, *,
   if amax is None:
     use = own
   else:
+    if np.ndim(amax) != 0:
+      raise ValueError("quantize scales per tensor: amax must be a scalar,"
+                       f" got shape {np.shape(amax)}")
     amax = jnp.asarray(amax, _F32)
     use = jax.lax.select(amax > 0, amax, own)
   scale = scale_for(use, dtype, margin)

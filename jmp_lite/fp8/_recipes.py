@@ -54,6 +54,38 @@ def _non_negative_int(value: Any, what: str) -> int:
   return int(value)
 
 
+def max_margin(dtype: np.dtype) -> int:
+  """The largest margin that keeps a scaled amax a normal ``dtype`` number.
+
+  ``finfo(dtype).max / 2**margin`` is where the amax lands; below the
+  format's smallest normal number every element is a subnormal or zero
+  (``margin=20`` with E4M3 turned every product into 0).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._recipes import max_margin
+    >>> max_margin(np.dtype(jnp.float8_e4m3fn)), max_margin(
+    ...     np.dtype(jnp.float8_e5m2))
+    (14, 29)
+  """
+  info = jnp.finfo(dtype)
+  return int(np.floor(np.log2(float(info.max) / float(info.smallest_normal))))
+
+
+def check_margin(value: Any, *dtypes: np.dtype) -> int:
+  """``margin`` as an int in ``[0, min(max_margin(d) for d in dtypes)]``."""
+  margin = _non_negative_int(value, "margin")
+  limit, fmt = min((max_margin(d), d) for d in dtypes)
+  if margin > limit:
+    raise ValueError(
+        f"margin={margin} is too large for {fmt.name}: the amax would land"
+        f" at {float(jnp.finfo(fmt).max)} / 2**{margin}, below the format's"
+        f" smallest normal number {float(jnp.finfo(fmt).smallest_normal)}"
+        " (every element would be a subnormal or zero); margin must be in"
+        f" [0, {limit}] for {fmt.name}")
+  return margin
+
+
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
   """FP8 scaling from each tensor's (row's, block's) own amax, just in time.
@@ -81,7 +113,9 @@ class CurrentScaling:
     fwd_dtype: the operands' format in the forward pass (E4M3: more mantissa).
     bwd_dtype: the incoming cotangent's format in the backward pass (E5M2:
       more range, for gradients).
-    margin: powers of two of headroom below the format's maximum.
+    margin: powers of two of headroom below the format's maximum, from 0
+      to the most that keeps the amax a normal number of both formats
+      (14 for E4M3, 29 for E5M2).
     granularity: ``"tensor"``, ``"row"`` or ``"block"``.
     block_size: the tile edge of ``"block"`` (ignored otherwise), >= 1.
 
@@ -105,8 +139,8 @@ class CurrentScaling:
                        _fp8_dtype(self.fwd_dtype, "fwd_dtype"))
     object.__setattr__(self, "bwd_dtype",
                        _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
-    object.__setattr__(self, "margin",
-                       _non_negative_int(self.margin, "margin"))
+    object.__setattr__(self, "margin", check_margin(
+        self.margin, self.fwd_dtype, self.bwd_dtype))
     if not isinstance(self.granularity, str) or (
         self.granularity not in GRANULARITIES):
       raise ValueError(f"granularity must be one of {GRANULARITIES}, got"
@@ -234,7 +268,9 @@ class DelayedScaling:
 
   Attributes:
     history: the amax history length (>= 1).
-    margin: powers of two of headroom below the format's maximum.
+    margin: powers of two of headroom below the format's maximum, from 0
+      to the most that keeps the amax a normal number of both formats
+      (14 for E4M3, 29 for E5M2).
     amax_compute: ``"max"`` (of the history) or ``"most_recent"``.
     fwd_dtype: the operands' FP8 format in the forward pass.
     bwd_dtype: the cotangent's FP8 format in the backward pass.
@@ -258,15 +294,16 @@ class DelayedScaling:
     if length < 1:
       raise ValueError(f"history must be >= 1, got {length}")
     object.__setattr__(self, "history", length)
-    object.__setattr__(self, "margin",
-                       _non_negative_int(self.margin, "margin"))
-    if self.amax_compute not in AMAX_COMPUTE:
+    if not isinstance(self.amax_compute, str) or (
+        self.amax_compute not in AMAX_COMPUTE):
       raise ValueError(f"amax_compute must be one of {AMAX_COMPUTE}, got"
                        f" {self.amax_compute!r}")
     object.__setattr__(self, "fwd_dtype",
                        _fp8_dtype(self.fwd_dtype, "fwd_dtype"))
     object.__setattr__(self, "bwd_dtype",
                        _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
+    object.__setattr__(self, "margin", check_margin(
+        self.margin, self.fwd_dtype, self.bwd_dtype))
 
   def init(self) -> ScalingState:
     """A fresh :class:`ScalingState` for one matmul (empty histories).

@@ -1,0 +1,151 @@
+"""What both FP8 matmul formulations share: the FP8 x FP8 dot, de-scaling,
+argument checks and the ``shard_map`` cotangent rule.
+
+Per-tensor scaling (``_dot``) and the finer recipes (``_blocked``, which
+``_dot`` dispatches to) both build on these; keeping them below both keeps
+the import graph one-way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._jaxpr import varying_axes
+from jmp_lite.dtypes import float8_values
+
+__all__ = ["DimensionNumbers", "check_like_lax", "descale", "fp8_matmul",
+           "like_primal", "normalize_dims"]
+
+_F32 = np.dtype(np.float32)
+_TINY = np.float32(np.finfo(np.float32).tiny)
+_MAX = np.float32(np.finfo(np.float32).max)
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
+                         tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def normalize_dims(dimension_numbers: Any) -> DimensionNumbers:
+  """``((lc, rc), (lb, rb))`` as tuples of ints, or a TypeError."""
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
+            (tuple(int(d) for d in lb), tuple(int(d) for d in rb)))
+  except (TypeError, ValueError):
+    raise TypeError(
+        "dimension_numbers must be ((lhs_contracting, rhs_contracting),"
+        f" (lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
+
+
+def check_like_lax(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
+                   precision: Any, preferred_element_type: Any) -> None:
+  """Refuses what ``jax.lax.dot_general`` refuses, with its message.
+
+  The finer recipes transpose and reshape their operands before any dot, so
+  dimension numbers that ``dot_general`` rejects (unequal or out-of-range
+  dimension lists, duplicates, mismatched sizes) would otherwise reach a
+  reshape that may happen to succeed and contract the wrong elements. An
+  abstract evaluation of ``dot_general`` itself on the operands' shapes
+  checks them exactly as it does (and ``precision``), at no run-time cost.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.fp8._matmul import check_like_lax
+    >>> x, w = jnp.ones((2, 6)), jnp.ones((3, 2))
+    >>> try:
+    ...   check_like_lax(x, w, (((1,), (0,)), ((), ())), None, None)
+    ... except TypeError as e:
+    ...   print(str(e).split(" to have")[0])
+    fp8 dot_general: dot_general requires contracting dimensions
+  """
+  if preferred_element_type is not None and not jnp.issubdtype(
+      preferred_element_type, jnp.floating):
+    raise TypeError(
+        "fp8 dot_general: preferred_element_type must be a floating dtype"
+        f" (the FP8 product is a float), got {preferred_element_type!r}")
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  try:
+    jax.eval_shape(functools.partial(jax.lax.dot_general,
+                                     dimension_numbers=dims,
+                                     precision=precision), spec(lhs),
+                   spec(rhs))
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"fp8 dot_general: {e} (lhs shape {lhs.shape}, rhs shape"
+                  f" {rhs.shape}, dimension_numbers {dims})") from None
+
+
+# XLA:GPU runs a dot whose two operands hold fewer elements than this, batch
+# dimensions aside, in its loop emitter instead of a GEMM library
+# (``--xla_gpu_gemm_rewrite_size_threshold``, default 100). There FP8 operands
+# are converted to float16 and multiplied in float16, where products of
+# scaled FP8 values (up to 448 * 448) overflow: measured on an H100, a
+# 4x8 @ 8x3 FP8 dot came back inf and NaN.
+GPU_LOOP_DOT_ELEMENTS = 100
+
+
+def fp8_matmul(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
+               **kwargs: Any) -> jax.Array:
+  """``dot_general`` of two FP8 arrays, accumulated and returned in float32.
+
+  On a GPU, a dot too small for a GEMM library (see above) runs on the FP8
+  values in float32 instead: the same products, never overflowing.
+  """
+  (_, _), (lb, rb) = dims
+  if jax.default_backend() == "gpu":
+    per_batch = sum(
+        int(np.prod([n for d, n in enumerate(x.shape) if d not in batch]))
+        for x, batch in ((lhs, lb), (rhs, rb)))
+    if per_batch < GPU_LOOP_DOT_ELEMENTS:
+      # Decoded from the bits: a cast to float32 would be deleted with the
+      # quantising cast before it (XLA:GPU's excess precision), leaving
+      # unrounded values.
+      lhs, rhs = float8_values(lhs), float8_values(rhs)
+  return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32,
+                             **kwargs)
+
+
+def descale(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+  """``x * a * b`` (broadcasting), never under- or overflowing on the way.
+
+  ``x`` is a float32 product of FP8 values, ``a`` and ``b`` the operands'
+  de-scale factors. ``x * (a * b)`` rounds once more than needed only where
+  ``a * b`` is a normal float32; where it is not, ``a`` and ``b`` lie on the
+  same side of 1 (the factors are normal numbers), so ``(x * a) * b`` moves
+  monotonically towards the result and cannot leave the range first. Tiny
+  operands (``a * b`` below 2**-126, which XLA flushes to zero) and huge
+  ones (``a * b`` past float32's maximum) then still give the result
+  wherever it is a normal float32. Elementwise, fused with the multiply it
+  replaces: no extra pass over ``x``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._matmul import descale
+    >>> x, a, b = jnp.float32(448 * 448), jnp.float32(1e-36), jnp.float32(1e-4)
+    >>> bool(np.isclose(descale(x, a, b), 448 * 448 * 1e-40, rtol=1e-6))
+    True
+    >>> float(x * (a * b))  # a * b = 1e-40 is flushed to zero first
+    0.0
+  """
+  ab = a * b
+  normal = (jnp.abs(ab) >= _TINY) & (jnp.abs(ab) <= _MAX)
+  first = jnp.where(normal, ab, a)
+  second = jnp.where(normal, np.float32(1), b)
+  return x * first * second
+
+
+def like_primal(ct: jax.Array, primal: jax.Array,
+                reduce: Callable[..., jax.Array]) -> jax.Array:
+  """``ct`` reduced over the mapped axes it varies over and ``primal`` not.
+
+  Inside ``shard_map`` an operand replicated over an axis (a weight) meets
+  one that varies over it (the batch): its cotangent is the sum over that
+  axis (the transpose of JAX's implicit broadcast), and an observed amax the
+  maximum.
+  """
+  extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+  return reduce(ct, extra) if extra else ct
