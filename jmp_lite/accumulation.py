@@ -42,12 +42,15 @@ class AccumulateState(contract.Gate):
     mini_step: micro-batches seen in this window (int32).
     poisoned: whether a micro-batch of this window was non-finite (bool).
     inner_state: the wrapped optimizer's state.
+    config: ``every_k``, the accumulator dtype and ``axis_name`` it was made
+      with (static; ``None`` in states pickled before it was recorded).
   """
 
   acc: Any
   mini_step: Any
   poisoned: Any
   inner_state: Any
+  config: Any = struct.field(static=True, default=None)
 
   def applied(self) -> jax.Array:
     """Whether the last micro-batch ended a window and handed ``inner`` its
@@ -140,6 +143,8 @@ def accumulate_gradients(
   every_k = check_count(every_k, "every_k")
   axis_name = check_axis_name(axis_name)
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  config = (f"accumulate_gradients(every_k={every_k}, dtype={dtype.name},"
+            f" axis_name={axis_name!r})")
 
   def acc_dtype(x: Any) -> Any:
     # Complex leaves accumulate in the complex dtype of ``dtype``'s
@@ -160,11 +165,18 @@ def accumulate_gradients(
         if _dtypes.is_inexact_array(p) else copy_arrays(p), params)
     return AccumulateState(
         acc=acc, mini_step=jnp.zeros((), jnp.int32),
-        poisoned=jnp.zeros((), jnp.bool_), inner_state=inner.init(params))
+        poisoned=jnp.zeros((), jnp.bool_), inner_state=inner.init(params),
+        config=config)
 
   def update(grads: Any, state: AccumulateState, params: Any = None,
              **extra: Any) -> tuple[Any, AccumulateState]:
     check_own_state(state, AccumulateState, "accumulate_gradients")
+    if state.config is not None and state.config != config:
+      raise ValueError(
+          "accumulate_gradients(...).update got a state made under another"
+          f" configuration: the state was made with {state.config}, this"
+          f" optimizer is {config}. Step a state with the optimizer whose"
+          " init made it")
     # Agreed over axis_name: devices that disagreed about a micro-batch
     # would close different windows as poisoned.
     finite = reduce_finite(all_finite(grads), axis_name,
@@ -177,12 +189,17 @@ def accumulate_gradients(
       return jnp.where(finite, acc + to_acc(g), acc)
 
     acc = jax.tree.map(add, state.acc, grads)
-    emit = state.mini_step == every_k - 1
+    # ">=": a window restored into a smaller every_k (a checkpoint) closes
+    # on its next micro-batch instead of never.
+    emit = state.mini_step >= every_k - 1
+    seen = state.mini_step + 1
 
     def mean(a: Any, g: Any) -> Any:
       if not _dtypes.is_inexact_array(a):
         return g
-      m = a / every_k
+      # The mean of what the window holds: every_k micro-batches, or more in
+      # a window restored into a smaller every_k.
+      m = jnp.where(seen == every_k, a / every_k, a / seen.astype(a.dtype))
       # A poisoned window hands on NaN so that the wrapped guard skips it.
       m = jnp.where(poisoned, jnp.asarray(np.nan, m.dtype), m)
       return m.astype(g.dtype) if _dtypes.is_inexact_array(g) else m
@@ -199,6 +216,6 @@ def accumulate_gradients(
         acc=acc,
         mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
         poisoned=poisoned & ~emit,
-        inner_state=inner_state)
+        inner_state=inner_state, config=state.config)
 
   return _optax.transformation(init, update)

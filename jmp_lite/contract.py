@@ -286,6 +286,49 @@ class Gate(abc.ABC):
     """
 
 
+class RoundsHalfParams:
+  """A state whose transformation rounds updates into half-precision params.
+
+  :func:`~jmp_lite.kahan_summation` and :func:`~jmp_lite.stochastic_rounding`
+  must see the params as they are stored: inside a wrapper that hands its
+  inner optimizer float32 params (:func:`~jmp_lite.master_weights`,
+  :func:`~jmp_lite.quantized_states`, :func:`~jmp_lite.state_dtypes`) they
+  would find nothing to round and silently do nothing, so those wrappers
+  refuse an inner state holding one of these.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite import contract
+    >>> issubclass(jmp_lite.low_precision.KahanState, contract.RoundsHalfParams)
+    True
+  """
+
+
+class HoldsMasterCopy(abc.ABC):
+  """A state that holds a full-precision master copy of the params.
+
+  :func:`~jmp_lite.master_weights`' state says so, so that a wrapper that
+  would store its inner state narrow (:func:`~jmp_lite.quantized_states`,
+  :func:`~jmp_lite.state_dtypes`) refuses to store the master copy in 8 bits
+  or bfloat16.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite import contract
+    >>> issubclass(jmp_lite.master.MasterWeightsState,
+    ...            contract.HoldsMasterCopy)
+    True
+  """
+
+  @abc.abstractmethod
+  def master_copy(self) -> Any:
+    """The master copy.
+
+    Returns:
+      The params in the master dtype (a pytree of arrays).
+    """
+
+
 def step_applied(state: Any) -> jax.Array:
   """Whether the step that made ``state`` moved anything, as its gates say.
 

@@ -13,28 +13,54 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite._trees import copy_arrays
+from jmp_lite.low_precision._common import check_inner_structure
 
 __all__ = ["MasterWeightsState", "master_params", "master_weights"]
 
 
 @struct.dataclass
-class MasterWeightsState:
+class MasterWeightsState(contract.HoldsMasterCopy):
   """State of :func:`master_weights`.
 
   Attributes:
     master: the params in the master dtype (non-floating leaves copied as
       given); never the params' own buffers.
     inner_state: the wrapped optimizer's state, built from ``master``.
+    config: the master dtype and update dtype it was made with (static;
+      ``None`` in states pickled before it was recorded).
   """
 
   master: Any
   inner_state: Any
+  config: Any = struct.field(static=True, default=None)
+
+  def master_copy(self) -> Any:
+    """The master copy (:class:`jmp_lite.contract.HoldsMasterCopy`).
+
+    Returns:
+      ``master``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jmp_lite
+      >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
+      >>> opt.init(jnp.ones(2, jnp.bfloat16)).master_copy().dtype
+      dtype('float32')
+    """
+    return self.master
+
+
+def _holds(wide: Any, narrow: Any) -> bool:
+  """Whether every value of ``narrow`` is a value of ``wide`` (its mantissa
+  and exponent range both at least as large)."""
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
 
 
 def _apply(master: Any, update: Any) -> Any:
@@ -121,6 +147,11 @@ def master_weights(
   Raises:
     TypeError: if ``inner`` is not a gradient transformation, ``dtype`` is
       not a floating dtype or ``update_dtype`` neither that nor ``None``.
+    ValueError: for an FP8 ``dtype``; from ``init``, for a param that the
+      master dtype cannot hold (float16 masters of bfloat16 params) or a
+      :func:`~jmp_lite.kahan_summation` / :func:`~jmp_lite.stochastic_rounding`
+      inside (it would see float32 params and round nothing); from
+      ``update``, for a state made under another configuration.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -138,8 +169,25 @@ def master_weights(
   """
   check_transformation(inner, "master_weights")
   dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  if np.dtype(dtype).itemsize < 2:
+    raise ValueError(
+        f"master_weights: a {np.dtype(dtype).name} master copy cannot hold"
+        " the small updates it exists to accumulate; use float32")
   if update_dtype is not None:
     update_dtype = _dtypes.to_floating_dtype(update_dtype, "update_dtype")
+  config = (f"master_weights(dtype={np.dtype(dtype).name}, update_dtype="
+            f"{None if update_dtype is None else np.dtype(update_dtype).name})")
+
+  def check_wide_enough(params: Any) -> None:
+    # A master narrower than its param (float16 for bfloat16, whose range is
+    # float32's; float8 for anything) would round the param itself.
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if _dtypes.is_floating_array(p) and not _holds(dtype, p.dtype):
+        raise ValueError(
+            f"master_weights: the master dtype {np.dtype(dtype).name} cannot"
+            f" hold every value of param {jax.tree_util.keystr(path)}"
+            f" ({np.dtype(p.dtype).name}): a master copy must be at least as"
+            " wide as its params. Use float32 (the default)")
 
   def init(params: Any) -> MasterWeightsState:
     def to_master(p: Any) -> Any:
@@ -149,8 +197,18 @@ def master_weights(
       # param's own buffer, which a donated step would donate twice.
       return copy_arrays(p)
 
+    check_wide_enough(params)
     master = jax.tree.map(to_master, params)
-    return MasterWeightsState(master=master, inner_state=inner.init(master))
+    inner_state = inner.init(master)
+    if struct.find_nodes(inner_state, contract.RoundsHalfParams):
+      raise ValueError(
+          "master_weights: the optimizer inside rounds updates into half"
+          " params (kahan_summation or stochastic_rounding), but"
+          " master_weights hands it the float32 master copy, so it would"
+          " round nothing. Use one or the other: master_weights keeps the"
+          " small updates itself")
+    return MasterWeightsState(master=master, inner_state=inner_state,
+                              config=config)
 
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(grads: Any, state: MasterWeightsState, params: Any = None,
@@ -161,6 +219,14 @@ def master_weights(
             "master_weights needs the current params: call"
             " opt.update(grads, state, params)"
         )
+      if state.config is not None and state.config != config:
+        raise ValueError(
+            "master_weights(...).update got a state made under another"
+            f" configuration: the state was made with {state.config}, this"
+            f" optimizer is {config}. Step a state with the optimizer whose"
+            " init made it")
+      check_inner_structure(inner, state.inner_state, state.master,
+                            "master_weights")
       updates, inner_state = inner_update(
           _dtypes.cast_floating(grads, dtype), state.inner_state,
           state.master, **extra)
@@ -170,7 +236,7 @@ def master_weights(
           new_master, state.master,
           updates, params)
       return param_updates, MasterWeightsState(
-          master=new_master, inner_state=inner_state)
+          master=new_master, inner_state=inner_state, config=state.config)
     return update
 
   # Gradients reach ``inner`` cast to the master dtype: finite exactly when

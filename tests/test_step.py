@@ -106,14 +106,14 @@ COMPOSITIONS = {
         lambda: optax.chain(optax.zero_nans(), jmp_lite.skip_nonfinite(
             _inner(), max_consecutive_skips=50)),
         jnp.float32, False, "update", False),
-    # A float16 master turns large finite gradients into inf.
-    # (A float16 master hands the guard float16 gradients to unscale: it
-    # must be asked for, allow_half_state=True.)
+    # A float16 master (of float16 params: a master narrower than its
+    # params is refused) hands the guard float16 gradients to unscale: it
+    # must be asked for, allow_half_state=True.
     "master_weights(float16 master)": (
         lambda: jmp_lite.master_weights(jmp_lite.loss_scaled(
             optax.sgd(1e-2), _scale(), allow_half_state=True,
             check_updates=False), dtype=jnp.float16),
-        jnp.float32, True, "update", True),
+        jnp.float16, True, "update", True),
 }
 
 
@@ -338,14 +338,17 @@ def test_finite_gradients_the_guard_sees_as_inf_are_skipped(case):
     opt, params, big = {
         "scale before": lambda: (optax.chain(optax.scale(1e10), ls),
                                  {"w": jnp.ones(3)}, 1e30),
+        # float32 gradients of float16 params (a master narrower than its
+        # params is refused).
         "float16 master": lambda: (
             jmp_lite.master_weights(ls, dtype=jnp.float16),
-            {"w": jnp.ones(3)}, 1e5),
+            {"w": jnp.ones(3, jnp.float16)}, 1e5),
         "float64 grads, float32 master": lambda: (
-            jmp_lite.master_weights(ls), {"w": jnp.ones(3, jnp.float64)},
+            jmp_lite.master_weights(ls), {"w": jnp.ones(3, jnp.float32)},
             1e300),
     }[case]()
-    grads = {"w": jnp.asarray([big, 1.0, 1.0], params["w"].dtype)}
+    wide = jnp.float64 if case.startswith("float64") else jnp.float32
+    grads = {"w": jnp.asarray([big, 1.0, 1.0], wide)}
     state = opt.init(params)
     assert jmp_lite.step._plan(
         opt, jmp_lite.step._largest_gradient(grads)).kind == "update"

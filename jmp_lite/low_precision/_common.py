@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, contract
+from jmp_lite import _optax, contract, struct
 from jmp_lite import dtypes as _dtypes
 
 F32 = np.dtype(jnp.float32)
@@ -73,3 +73,57 @@ def update_dtype(p: Any, wide: np.dtype) -> np.dtype:
   # Updates of half params are exact in float32; FP8 params need FP8 ones
   # (JAX adds no float32 update to them).
   return np.dtype(p.dtype) if np.dtype(p.dtype).itemsize == 1 else wide
+
+
+def check_made_by(state_config: Any, config: Any, who: str) -> None:
+  """Raises a ``ValueError`` naming both when a state's recorded
+  configuration is not the optimizer's.
+
+  ``None`` is a state from before states recorded their configuration
+  (an old pickle): it is taken as it is.
+  """
+  if state_config is not None and state_config != config:
+    raise ValueError(
+        f"{who}(...).update got a state made under another configuration: the"
+        f" state was made with {state_config}, this optimizer is {config}."
+        " Step a state with the optimizer whose init made it (or rebuild the"
+        " optimizer with the state's settings)")
+
+
+def check_inner_structure(inner: optax.GradientTransformation,
+                          inner_state: Any, params: Any, who: str,
+                          is_leaf: Any = None) -> None:
+  """Raises a ``ValueError`` when ``inner_state`` is not the structure
+  ``inner.init(params)`` makes (a state of another optimizer).
+
+  Abstract (``jax.eval_shape``): it costs a trace of ``init``, once per
+  trace of the step.
+  """
+  if params is None:
+    return
+  # Key paths, not treedefs: static settings a guard records (None in
+  # states pickled before it recorded them) are that guard's to check.
+  def paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+  expected = paths(jax.eval_shape(inner.init, upcast(params)))
+  got = paths(inner_state)
+  if expected != got:
+    extra = sorted(set(got) - set(expected))[:3]
+    lacking = sorted(set(expected) - set(got))[:3]
+    raise ValueError(
+        f"{who}(...).update got an inner state that its inner optimizer did"
+        f" not make (its leaves {extra} are not the inner optimizer's, which"
+        f" needs {lacking}; {len(got)} leaves against {len(expected)}): the"
+        " state was made by a wrapper around another optimizer. Create it"
+        f" again with this {who}(...).init(params)")
+
+
+def refuse_inside(inner_state: Any, who: str, kinds: tuple[type, ...],
+                  why: str) -> None:
+  """Raises a ``ValueError`` when ``inner_state`` holds a state of one of
+  ``kinds`` (a composition that cannot work), naming the working order."""
+  found = struct.find_nodes(inner_state, kinds)
+  if found:
+    name = type(found[0]).__name__
+    raise ValueError(f"{who}: the optimizer inside holds a {name}; {why}")

@@ -12,8 +12,9 @@ import optax
 
 from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_transformation
+from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite.low_precision._common import (
+  check_inner_structure,
   F32,
   forwarding,
   is_narrow,
@@ -25,7 +26,7 @@ from jmp_lite.low_precision._common import (
 
 
 @struct.dataclass
-class KahanState:
+class KahanState(contract.RoundsHalfParams):
   """State of :func:`kahan_summation`.
 
   Attributes:
@@ -250,7 +251,10 @@ def kahan_summation(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: KahanState, params: Any = None,
                **extra: Any) -> tuple[Any, KahanState]:
+      check_own_state(state, KahanState, "kahan_summation")
       need_params(params, "kahan_summation")
+      check_inner_structure(inner, state.inner_state, params,
+                            "kahan_summation")
       inner_updates, inner_state = inner_update(
           updates, state.inner_state, params, **extra)
       p_leaves, treedef = jax.tree.flatten(params)

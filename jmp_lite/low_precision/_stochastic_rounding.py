@@ -12,6 +12,8 @@ from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite.low_precision._common import (
+  check_inner_structure,
+  check_made_by,
   forwarding,
   is_narrow,
   need_params,
@@ -29,7 +31,7 @@ from jmp_lite.low_precision._rounding import (
 
 
 @struct.dataclass
-class StochasticRoundingState:
+class StochasticRoundingState(contract.RoundsHalfParams):
   """State of :func:`stochastic_rounding`.
 
   Attributes:
@@ -38,11 +40,14 @@ class StochasticRoundingState:
       :func:`stochastic_rounding`); with ``seed`` it picks this
       step's random bits, so a restored checkpoint continues the stream.
     inner_state: the wrapped optimizer's state.
+    config: the seed it was made with (static; ``None`` in states pickled
+      before it was recorded).
   """
 
   seed: Any
   count: Any
   inner_state: Any
+  config: Any = struct.field(static=True, default=None)
 
 
 def stochastic_rounding(
@@ -109,20 +114,28 @@ def stochastic_rounding(
   """
   check_transformation(inner, "stochastic_rounding")
   seed = check_seed(seed)
+  config = f"stochastic_rounding(seed={seed})"
 
   def init(params: Any) -> StochasticRoundingState:
     return StochasticRoundingState(
         seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
-        inner_state=unaliased(inner.init(params), params))
+        inner_state=unaliased(inner.init(params), params),
+        config=config)
 
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: StochasticRoundingState, params: Any = None,
                **extra: Any) -> tuple[Any, StochasticRoundingState]:
       check_own_state(state, StochasticRoundingState, "stochastic_rounding")
       need_params(params, "stochastic_rounding")
+      check_made_by(state.config, config, "stochastic_rounding")
+      check_inner_structure(inner, state.inner_state, params,
+                            "stochastic_rounding")
       inner_updates, inner_state = inner_update(
           updates, state.inner_state, params, **extra)
-      key = step_key(state.seed, state.count)
+      # The state's seed: the stream it started (a vmap over seeds, a
+      # restored checkpoint); init takes the optimizer's.
+      seed_ = state.seed
+      key = step_key(seed_, state.count)
       p_leaves, treedef = jax.tree.flatten(params)
       u_leaves = treedef.flatten_up_to(inner_updates)
       leaf_specs = specs_per_leaf(specs, params, "params")
@@ -143,7 +156,8 @@ def stochastic_rounding(
       applied = contract.step_applied(inner_state)
       count = state.count + applied.astype(jnp.uint32)
       return new_updates, StochasticRoundingState(
-          seed=state.seed, count=count, inner_state=inner_state)
+          seed=seed_, count=count, inner_state=inner_state,
+          config=state.config)
 
     return update
 

@@ -61,7 +61,8 @@ def state_specs(state):
   def spec(x):
     if isinstance(x, QuantizedArray):
       s = ROWS if len(x.shape) == 2 else P()
-      return dataclasses.replace(x, codes=s, scales=s)
+      return dataclasses.replace(x, codes=s, scales=s, outliers=s, where=s,
+                                 form=P())
     return P()
   return jax.tree.map(spec, state,
                       is_leaf=lambda x: isinstance(x, QuantizedArray))

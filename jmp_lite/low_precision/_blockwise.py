@@ -1,0 +1,329 @@
+"""The block-quantized array :func:`quantized_states` stores: codes, scales,
+and each block's largest element kept exactly.
+
+The maps (measured on Adam's moments after 300 steps of the digits MLP at
+3e-4, ``docs/low_precision.md``) are power companding maps, which need no
+code table: a value ``y`` of a block whose largest magnitude (its outlier
+aside, below) is ``s`` is stored as one of the two integers around
+``Q * (|y| / s) ** (1 / power)``, up or down at random so that the decoded
+value is unbiased (``mu``; for ``nu``, its square root), or with
+``rounding="nearest"`` the nearer one.
+
+* Signed leaves (``mu``): symmetric, with an exact zero; ``Q = 127`` for 8
+  bits and ``7`` for 4 bits.
+* Unsigned leaves (``nu``, ``sum_of_squares``): the map stores ``sqrt(v)``
+  (what Adam divides by) and has no zero: code ``k`` means
+  ``((k + 1) / 2**bits) ** power``. A positive ``v`` never comes back as 0,
+  which would make Adam's update ``m / (sqrt(v) + eps)`` explode (the
+  "zero-point problem" of arXiv 2309.01507); a small ``v`` comes back at
+  least at the block's floor, which only shrinks its update.
+
+Each block keeps its largest-magnitude element exactly, in float32 (inf and
+NaN included), with its index; the block's scale is the largest magnitude of
+the *other* finite elements. One gradient spike (a ``1e20`` gradient, whose
+square overflows) then changes that element alone, as it would in a float32
+state: its 255 neighbours keep their resolution instead of rounding to the
+spike's scale (zero, or the unsigned map's floor, for as long as the spike
+lasts). A second non-finite element in the same block saturates at the
+block's scale (NaN at zero).
+
+Each array records how it was stored (``form``: bits, block size and map, as
+data) so a checkpoint restored into another configuration is read the way it
+was written: the map is chosen by ``form``; bits and block size decide the
+arrays' shapes, and a mismatch the shapes cannot show raises when ``form`` is
+concrete and reads as NaN (loudly) under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import struct
+from jmp_lite._jaxpr import is_tracer
+from jmp_lite.low_precision._common import F32
+
+# Companding powers, per (bits, signed): measured, see the module docstring.
+POWERS = {(8, True): 2.0, (8, False): 3.0, (4, True): 2.0, (4, False): 2.0}
+
+
+@struct.dataclass
+class QuantizedArray:
+  """One state leaf stored block-quantized by :func:`quantized_states`.
+
+  Attributes:
+    codes: ``uint8`` codes; the leaf's shape for 8 bits, two codes per byte
+      along the last axis for 4 bits (low nibble first).
+    scales: one scale per block, shaped (row groups, blocks per row): a
+      block is ``block_size`` elements along the last axis (the last block
+      of a row may be partial), or ``block_size // n`` whole rows when the
+      last axis ``n`` is shorter. The largest magnitude of the block's
+      elements other than its outlier.
+    outliers: each block's largest-magnitude element, exactly (float32,
+      shaped like ``scales``).
+    where: the outlier's index within its block (``uint8`` for blocks of at
+      most 256 elements, else ``int32``), shaped like ``scales``.
+    form: how the codes were written, as data that checkpoints keep:
+      ``int32[3]`` of (bits, block size, 1 for the signed map or 0).
+    shape: the leaf's shape (static).
+    dtype: the leaf's dtype (static).
+    bits: 8 or 4 (static).
+    block_size: elements per block (static).
+    signed: the signed map (``mu``) or the unsigned square-root map
+      (``nu``) (static; the codes are read by ``form``).
+    power: the map's companding power (static).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.quantized_states(optax.adam(1e-3))
+    >>> q = opt.init({"w": jnp.ones((4, 512))}).inner_state[0].mu["w"]
+    >>> q.codes.dtype, q.codes.shape, q.scales.shape, q.where.dtype
+    (dtype('uint8'), (4, 512), (4, 2), dtype('uint8'))
+  """
+
+  codes: Any
+  scales: Any
+  outliers: Any = None
+  where: Any = None
+  form: Any = None
+  shape: tuple[int, ...] = struct.field(static=True, default=())
+  dtype: Any = struct.field(static=True, default=F32)
+  bits: int = struct.field(static=True, default=8)
+  block_size: int = struct.field(static=True, default=256)
+  signed: bool = struct.field(static=True, default=True)
+  power: float = struct.field(static=True, default=2.0)
+
+
+def layout(shape: tuple[int, ...], block_size: int) -> tuple[int, int, int]:
+  """(rows, r, c): the leaf seen as ``rows`` rows of its last axis; a block
+  is ``r`` whole rows by ``c`` columns (``r > 1`` only for a last axis
+  shorter than a block)."""
+  n = shape[-1]
+  rows = int(np.prod(shape[:-1], dtype=np.int64))
+  return rows, max(1, block_size // n), min(block_size, n)
+
+
+def grid(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
+  """The scales' shape: (row groups, column blocks)."""
+  rows, r, c = layout(shape, block_size)
+  return -(-rows // r), -(-shape[-1] // c)
+
+
+def _blocks(y: jax.Array, block_size: int) -> jax.Array:
+  """``y`` as ``(row groups, column blocks, r * c)``, zero-padded."""
+  n = y.shape[-1]
+  rows, r, c = layout(y.shape, block_size)
+  groups, col_blocks = grid(y.shape, block_size)
+  y = jnp.pad(y.reshape(rows, n),
+              [(0, groups * r - rows), (0, col_blocks * c - n)])
+  return y.reshape(groups, r, col_blocks, c).transpose(0, 2, 1, 3).reshape(
+      groups, col_blocks, r * c)
+
+
+def _unblock(blocks: jax.Array, shape: tuple[int, ...],
+             block_size: int) -> jax.Array:
+  """The inverse of :func:`_blocks`: ``shape`` again, padding dropped."""
+  n = shape[-1]
+  rows, r, c = layout(shape, block_size)
+  groups, col_blocks = blocks.shape[:2]
+  y = blocks.reshape(groups, col_blocks, r, c).transpose(0, 2, 1, 3)
+  return y.reshape(groups * r, col_blocks * c)[:rows, :n].reshape(shape)
+
+
+def where_dtype(block_size: int) -> np.dtype:
+  """The outlier index's dtype: one byte while a block has 256 elements."""
+  return np.dtype(jnp.uint8 if block_size <= 256 else jnp.int32)
+
+
+def form_of(bits: int, block_size: int, signed: bool) -> np.ndarray:
+  """The ``form`` a :class:`QuantizedArray` records (int32[3])."""
+  return np.array([bits, block_size, int(signed)], np.int32)
+
+
+def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
+             power: float, scale_dtype: Any = F32,
+             noise: jax.Array | None = None) -> QuantizedArray:
+  """Block-quantizes ``x`` (at least one dimension, at least one element).
+
+  Args:
+    x: a floating array; with ``signed=False``, non-negative (negative
+      values are stored as 0's floor).
+    bits: 8 or 4.
+    block_size: elements per block along the last axis (even for 4 bits).
+    signed: the signed map, or the unsigned square-root map.
+    power: the companding power (1: linear absmax).
+    scale_dtype: the scales' dtype (float32 or bfloat16).
+    noise: ``None`` to round each value to the nearest code in the
+      companded domain; or uniform values in ``[0, 1)`` of ``x``'s shape to
+      round between the two codes around it at random, unbiased in ``x``
+      (signed) or in ``sqrt(x)`` (unsigned; values below the lowest code
+      take it).
+
+  Returns:
+    The :class:`QuantizedArray`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.low_precision._blockwise import dequantize, quantize
+    >>> q = quantize(jnp.array([-1.0, 0.0, 0.5, 1e30]), bits=8,
+    ...              block_size=256, signed=True, power=1.0)
+    >>> dequantize(q).round(2)   # The outlier is kept exactly.
+    Array([-1.e+00,  0.e+00,  5.e-01,  1.e+30], dtype=float32)
+  """
+  x32 = x.astype(F32)
+  y = x32 if signed else jnp.sqrt(jnp.maximum(x32, 0.0))
+  n = y.shape[-1]
+  blocks = _blocks(y, block_size)
+  mag = jnp.abs(blocks)
+  # The outlier: NaN counts as the largest (argmax finds it first).
+  where = jnp.argmax(mag, axis=-1)
+  at = jnp.arange(blocks.shape[-1]) == where[..., None]
+  outliers = jnp.take_along_axis(_blocks(x32, block_size), where[..., None],
+                                 axis=-1)[..., 0]
+  rest = jnp.where(at | ~jnp.isfinite(mag), 0.0, mag)
+  absmax = jnp.max(rest, axis=-1)
+  # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
+  scales = absmax.astype(scale_dtype)
+  scales = jnp.where(scales.astype(F32) < absmax,
+                     jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)),
+                     scales)
+  wide = scales.astype(F32)[..., None]
+  # Other non-finite elements saturate (NaN to zero); the outlier's own
+  # code is never read.
+  mag = jnp.where(jnp.isnan(mag) | at, 0.0, mag)
+  unit = jnp.clip(mag / jnp.where(wide > 0, wide, 1.0), 0.0, 1.0)
+  unit = jnp.where(jnp.isinf(mag), 1.0, unit)
+  companded = unit ** (1.0 / power)
+  if signed:
+    top = 2 ** (bits - 1) - 1
+    if noise is None:
+      magnitude = jnp.round(companded * top)
+    else:
+      # Between the two codes around |y|, up with the probability that
+      # makes the decoded value's expectation |y| (unbiased in y).
+      low = jnp.clip(jnp.floor(companded * top), 0, top - 1)
+      below, above = (low / top) ** power, ((low + 1) / top) ** power
+      up = _blocks(noise, block_size) < (unit - below) / (above - below)
+      magnitude = low + up
+    k = magnitude * jnp.where(blocks < 0, -1.0, 1.0) + top
+  else:
+    levels = 2**bits
+    if noise is None:
+      k = jnp.clip(jnp.round(companded * levels - 1.0), 0, levels - 1)
+    else:
+      # Unbiased in sqrt(v), what Adam divides by (unbiased in v made the
+      # digits MLP's 4-bit steps 13% longer than float32's: E[1 / sqrt(v)]
+      # grows with v's noise), down to the lowest code, which values below
+      # it round up to.
+      low = jnp.clip(jnp.floor(companded * levels) - 1.0, 0, levels - 2)
+      below = ((low + 1) / levels) ** power
+      above = ((low + 2) / levels) ** power
+      up = _blocks(noise, block_size) < (unit - below) / (above - below)
+      k = low + up
+  codes = _unblock(k.astype(jnp.uint8), y.shape, block_size)
+  if bits == 4:
+    if n % 2:
+      codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
+    codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+  return QuantizedArray(
+      codes=codes, scales=scales, outliers=outliers,
+      where=where.astype(where_dtype(block_size)),
+      form=jnp.asarray(form_of(bits, block_size, signed)),
+      shape=tuple(x.shape), dtype=np.dtype(x.dtype), bits=bits,
+      block_size=block_size, signed=signed, power=power)
+
+
+def check_form(q: QuantizedArray) -> jax.Array | None:
+  """Compares ``q.form`` (how the codes were written) with its static
+  bits and block size: a ``ValueError`` when ``form`` is concrete, else a
+  traced bool (``None`` if there is no ``form``)."""
+  if q.form is None:
+    return None
+  if not is_tracer(q.form) and isinstance(q.form, (jax.Array, np.ndarray)):
+    bits, block_size, _ = (int(v) for v in np.asarray(q.form))
+    if (bits, block_size) != (q.bits, q.block_size):
+      raise ValueError(
+          f"quantized_states: a state leaf was written with bits={bits},"
+          f" block_size={block_size} and is read as bits={q.bits},"
+          f" block_size={q.block_size} (a checkpoint restored into another"
+          " configuration?). Restore it into quantized_states(...,"
+          f" bits={bits}, block_size={block_size}), step once, then switch")
+    return None
+  return (q.form[0] == q.bits) & (q.form[1] == q.block_size)
+
+
+def dequantize(q: QuantizedArray) -> jax.Array:
+  """The array a :class:`QuantizedArray` stands for, in its dtype.
+
+  The map is the one ``q.form`` records (the one the codes were written
+  with); a ``form`` whose bits or block size differ from ``q``'s raises when
+  concrete and gives NaN under tracing.
+
+  Args:
+    q: the quantized leaf.
+
+  Returns:
+    An array of ``q.shape`` (under ``shard_map``, of the local shard's) and
+    ``q.dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.low_precision._blockwise import dequantize, quantize
+    >>> q = quantize(jnp.array([4.0, 1.0]), bits=4, block_size=2,
+    ...              signed=False, power=1.0)
+    >>> dequantize(q)
+    Array([4., 1.], dtype=float32)
+  """
+  # Under shard_map the codes are a shard along the leading axes while
+  # ``q.shape`` stays the global shape: use the local one.
+  shape = (*q.codes.shape[:-1], q.shape[-1])
+  n = shape[-1]
+  codes = q.codes
+  if q.bits == 4:
+    codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+        *codes.shape[:-1], -1)[..., :n]
+  k = _blocks(codes.astype(F32), q.block_size)
+  scale = q.scales.astype(F32)[..., None]
+
+  def signed_map() -> jax.Array:
+    top = 2 ** (q.bits - 1) - 1
+    signed_k = k - top
+    power = q.power if q.signed else POWERS[(q.bits, True)]
+    return jnp.sign(signed_k) * (jnp.abs(signed_k) / top) ** power * scale
+
+  def unsigned_map() -> jax.Array:
+    power = POWERS[(q.bits, False)] if q.signed else q.power
+    root = ((k + 1.0) / 2**q.bits) ** power * scale
+    return root * root
+
+  if q.form is None:
+    y = signed_map() if q.signed else unsigned_map()
+  else:
+    # Read with the map the codes were written with (a restore into another
+    # ``unsigned=`` converts on the next step).
+    y = jnp.where(q.form[2] == 1, signed_map(), unsigned_map())
+  if q.outliers is not None:
+    at = jnp.arange(k.shape[-1]) == q.where.astype(jnp.int32)[..., None]
+    y = jnp.where(at, q.outliers.astype(F32)[..., None], y)
+  ok = check_form(q)
+  if ok is not None:
+    y = jnp.where(ok, y, jnp.nan)
+  return _unblock(y, shape, q.block_size).astype(q.dtype)
+
+
+def bytes_per_element(bits: int, block_size: int,
+                      scale_dtype: Any = F32) -> float:
+  """Bytes a quantized leaf holds per element (full blocks, even sizes):
+  codes, and per block a scale, the outlier and its index.
+
+  Example:
+    >>> from jmp_lite.low_precision._blockwise import bytes_per_element
+    >>> bytes_per_element(8, 256), bytes_per_element(4, 256)
+    (1.03515625, 0.53515625)
+  """
+  per_block = (np.dtype(scale_dtype).itemsize + 4
+               + where_dtype(block_size).itemsize)
+  return bits / 8 + per_block / block_size
