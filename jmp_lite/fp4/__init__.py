@@ -9,6 +9,8 @@
   forward and both gradient GEMMs on FP4 operands; plugs into Flax's
   ``dot_general=`` arguments, Equinox modules, policy rules and autocast.
 * :func:`quantize_dequantize`: the FP4 values a GEMM sees of a tensor.
+* :func:`quantization_health`: per-leaf FP4 error, to choose the layers
+  that stay in bfloat16.
 * :func:`all_gather`: an FSDP weight gather moving 4-bit codes and 8-bit
   scales (0.25x-0.28x a bfloat16 gather's bytes).
 * :mod:`jmp_lite.fp4.linen` and :mod:`jmp_lite.fp4.nnx` (import them
@@ -28,6 +30,8 @@ Example:
 
 from jmp_lite.fp4._dot import dot_general as dot_general
 from jmp_lite.fp4._gather import all_gather as all_gather
+from jmp_lite.fp4._health import FP4Health as FP4Health
+from jmp_lite.fp4._health import quantization_health as quantization_health
 from jmp_lite.fp4._quantize import quantize_dequantize as quantize_dequantize
 from jmp_lite.fp4._recipes import E2M1 as E2M1
 from jmp_lite.fp4._recipes import MXFP4 as MXFP4
@@ -37,11 +41,13 @@ from jmp_lite.fp4._recipes import ROLES as ROLES
 
 __all__ = (
     "E2M1",
+    "FP4Health",
     "MXFP4",
     "NVFP4",
     "PerDirection",
     "ROLES",
     "all_gather",
     "dot_general",
+    "quantization_health",
     "quantize_dequantize",
 )
