@@ -20,7 +20,6 @@ return Python values say so.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +32,13 @@ from jax.experimental import multihost_utils
 
 from jmp_lite import _jaxpr
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import (
+  check_callable,
+  check_not_object_array,
+  check_numeric_tree,
+  check_scale_range,
+  floating_dtype,
+)
 from jmp_lite._nonfinite import nonfinite_counts, nonfinite_paths
 from jmp_lite._trees import unwrap_nnx
 from jmp_lite.policy import get_policy
@@ -69,6 +75,9 @@ def tree_bytes(tree: Any) -> int:
   Returns:
     The sum of ``size * itemsize`` over distinct leaves that have a dtype.
 
+  Raises:
+    TypeError: for a NumPy ``object`` array (its itemsize is a pointer's).
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> w = jnp.ones((2, 3), jnp.bfloat16)
@@ -80,6 +89,7 @@ def tree_bytes(tree: Any) -> int:
   for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_live_state):
     if not (hasattr(x, "dtype") and hasattr(x, "shape")) or id(x) in seen:
       continue
+    check_not_object_array(x, "tree_bytes")
     seen.add(id(x))
     total += int(np.prod(x.shape)) * x.dtype.itemsize
   return total
@@ -130,7 +140,7 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
 
   Raises:
     TypeError: if ``loss_scale`` is not a real number, array or loss-scale
-      state.
+      state, or a leaf of ``grads`` is no number or numeric array.
     ValueError: if ``loss_scale`` is not a scalar, or is concrete and not
       positive and finite (a concrete ``jax.Array`` is read to check it;
       a traced one, under ``jit``, is not checked).
@@ -144,7 +154,8 @@ def gradient_health(grads: Any, loss_scale: Any = 1.0,
     >>> round(float(jmp_lite.gradient_health(g, 2.0 ** 10).underflow["w"]), 2)
     0.0
   """
-  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  dtype = floating_dtype(dtype, "dtype")
+  check_numeric_tree(grads, "gradient_health")
   scale = jnp.asarray(_checked_scale(loss_scale), jnp.float32)
   fmax = float(jnp.finfo(dtype).max)
 
@@ -197,20 +208,17 @@ def _checked_scale(loss_scale: Any) -> Any:
       or (isinstance(value, (jax.Array, np.ndarray, np.generic))
           and (jnp.issubdtype(dtype, jnp.floating)
                or jnp.issubdtype(dtype, jnp.integer)))):
-    shown = repr(value)   # An optimizer state's repr can be megabytes.
-    shown = shown if len(shown) <= 200 else shown[:200] + " ..."
-    raise TypeError(
+    raise TypeError(  # An optimizer state's repr can be megabytes: cut.
         "loss_scale must be a positive number, a scalar array, a loss-scale"
         " state or an optimizer state holding one loss_scaled state, got"
-        f" {type(value).__name__}: {shown}")
+        f" {type(value).__name__}: {value!r:.200}")
   checked: Any = value  # A real number or array, as checked above.
   if np.ndim(checked) != 0:
     raise ValueError(
         f"loss_scale must be a scalar, got shape {np.shape(checked)}")
-  if not _jaxpr.is_tracer(value):
-    v = float(value)
-    if not (math.isfinite(v) and v > 0):
-      raise ValueError(f"loss_scale must be positive and finite, got {v}")
+  # The range a loss scale may take (its reciprocal a normal float32).
+  check_scale_range(None if _jaxpr.is_tracer(value) else float(value),
+                    "loss_scale")
   return value
 
 
@@ -337,7 +345,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any,
     >>> origin.primitive, origin.dtype
     ('exp', 'float16')
   """
-  _check_callable(fn, "find_nonfinite")
+  check_callable(fn, "find_nonfinite")
   # Array leaves are traced; the rest (an Equinox module's functions and
   # static fields) is passed through as it is.
   arrays, rebuild = _jaxpr.split_array_args((args, kwargs))
@@ -391,12 +399,6 @@ class Misaligned:
   hint: str
 
 
-def _check_callable(fn: Any, what: str) -> None:
-  if not callable(fn):  # Now, rather than from deep inside tracing.
-    raise TypeError(f"{what} expects a callable, got {type(fn).__name__}:"
-                    f" {fn!r}")
-
-
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
@@ -430,7 +432,7 @@ def check_alignment(fn: Callable[..., Any], *args: Any, multiple: int = 8,
     ...     lambda x, w: x @ w, jnp.ones((64, 100)), jnp.ones((100, 10)))]
     [{'N': 10, 'K': 100}]
   """
-  _check_callable(fn, "check_alignment")
+  check_callable(fn, "check_alignment")
   # A bool is an int to Python, never a meant multiple; a float such as 8.5
   # would be "rounded up" to non-integer sizes.
   if isinstance(multiple, (bool, np.bool_)) or not isinstance(
@@ -485,7 +487,7 @@ def check_hardware(dtype: Any, device: Any = None, *,
   if isinstance(dtype, str) and "=" in dtype:
     dtype = get_policy(dtype)  # "p=f32,c=bf16", as autocast takes it.
   dtype = getattr(dtype, "compute_dtype", dtype)
-  dtype = _dtypes.to_floating_dtype(dtype, "dtype")
+  dtype = floating_dtype(dtype, "dtype")
   if device is None:
     device = jax.local_devices()[0]
   elif not isinstance(getattr(device, "platform", None), str):

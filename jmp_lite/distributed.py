@@ -20,6 +20,7 @@ process calls it with its global arrays and gets the same global state.
 from __future__ import annotations
 
 import collections
+import numbers
 from typing import Any, TypeVar
 
 import jax
@@ -33,6 +34,20 @@ from jmp_lite._checks import check_transformation
 __all__ = ["device_bytes", "init_sharded", "state_shardings"]
 
 _T = TypeVar("_T")
+
+
+def _check_params(params: Any, who: str) -> None:
+  """Raises for a leaf that is no array, number or ``ShapeDtypeStruct`` (a
+  string: JAX said only that it could not interpret an argument)."""
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if isinstance(x, (str, bytes)) or not (
+        isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number,
+                       jax.ShapeDtypeStruct))):
+      where = jax.tree_util.keystr(path) or "the root"
+      raise TypeError(
+          f"{who} expects params as a pytree of arrays (or"
+          f" jax.ShapeDtypeStruct s), got a {type(x).__name__} leaf at"
+          f" {where}: {x!r:.120}")
 
 
 def _mesh_of(params: Any) -> Mesh | None:
@@ -61,6 +76,13 @@ def _spec(x: Any) -> PartitionSpec:
   if isinstance(sharding, NamedSharding):
     return sharding.spec
   return PartitionSpec()  # an unsharded leaf: replicated
+
+
+def _unsharded(params: Any) -> Any:
+  """The params' shapes and dtypes, without their shardings (whose types
+  ``Explicit`` axes would carry into the trace)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                      params)
 
 
 def _by_shape(params: Any, state_shapes: Any, mesh: Mesh) -> Any:
@@ -93,9 +115,11 @@ def state_shardings(optimizer: optax.GradientTransformation,
   shapes with the params' ``PartitionSpec`` s on an ``Explicit``-axes copy
   of their mesh, where each array's sharding is part of its type and flows
   through ``zeros_like``, casts and reductions. If the trace is refused
-  there (an op without a sharding rule), a state leaf with the shape of
-  parameters that share one spec gets that spec, and any other leaf is
-  replicated.
+  there (an op without a sharding rule, or a state that cannot take its
+  params' sharding: :func:`jmp_lite.quantized_states` on a row-sharded
+  param whose blocks span devices), a state leaf with the shape of
+  parameters that share one spec gets that spec, and any other leaf (a
+  quantized leaf's per-block scales, packed 4-bit codes) is replicated.
 
   Args:
     optimizer: any optax ``GradientTransformation`` (jmp_lite's included).
@@ -109,7 +133,8 @@ def state_shardings(optimizer: optax.GradientTransformation,
     where ``jax.jit`` puts it: with the params).
 
   Raises:
-    TypeError: if ``optimizer`` is not a gradient transformation.
+    TypeError: if ``optimizer`` is not a gradient transformation, or a
+      leaf of ``params`` is no array, number or ``jax.ShapeDtypeStruct``.
     ValueError: if the params are on more than one mesh.
 
   Example:
@@ -128,6 +153,7 @@ def state_shardings(optimizer: optax.GradientTransformation,
     P()
   """
   check_transformation(optimizer, "state_shardings")
+  _check_params(params, "state_shardings")
   mesh = _mesh_of(params)
   if mesh is None:
     return None
@@ -140,9 +166,13 @@ def state_shardings(optimizer: optax.GradientTransformation,
   try:
     with jax.set_mesh(explicit):
       shapes = jax.eval_shape(optimizer.init, typed)
-  except (ValueError, TypeError, NotImplementedError):
-    # An init whose ops have no sharding rule under Explicit axes.
-    return _by_shape(params, jax.eval_shape(optimizer.init, params), mesh)
+  except Exception:
+    # An init whose ops have no sharding rule under Explicit axes, or whose
+    # state cannot take its params' sharding (JAX's ShardingTypeError, not
+    # public: a quantizer's reshape of rows into blocks that span devices).
+    # A real error in init recurs in the unsharded trace below.
+    return _by_shape(params, jax.eval_shape(optimizer.init, _unsharded(
+        params)), mesh)
 
   def on_mesh(leaf: Any) -> NamedSharding:
     sharding = getattr(leaf, "sharding", None)
@@ -177,7 +207,8 @@ def init_sharded(optimizer: optax.GradientTransformation, params: Any) -> Any:
     their device).
 
   Raises:
-    TypeError: if ``optimizer`` is not a gradient transformation.
+    TypeError: if ``optimizer`` is not a gradient transformation, or a
+      leaf of ``params`` is no array, number or ``jax.ShapeDtypeStruct``.
     ValueError: if the params are on more than one mesh.
 
   Example:
@@ -196,10 +227,27 @@ def init_sharded(optimizer: optax.GradientTransformation, params: Any) -> Any:
     P('data', None)
   """
   check_transformation(optimizer, "init_sharded")
+  _check_params(params, "init_sharded")
   shardings = state_shardings(optimizer, params)
   if shardings is None:
     return jax.jit(optimizer.init)(params)
-  return jax.jit(optimizer.init, out_shardings=shardings)(params)
+  mesh = _mesh_of(params)
+  if mesh is None or all(t != AxisType.Explicit for t in mesh.axis_types):
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+  try:
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+  except Exception:
+    # Under Explicit axes a state that cannot take its params' sharding
+    # fails the trace (see state_shardings). Run init on an Auto-axes view
+    # of the same devices, where the compiler places what the types cannot
+    # say, and put the state on the shardings found above.
+    auto = Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    moved = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(auto, _spec(x))), params)
+    on_auto = jax.tree.map(lambda n: NamedSharding(auto, n.spec), shardings)
+    state = jax.jit(optimizer.init, out_shardings=on_auto)(moved)
+    return jax.device_put(state, shardings)
 
 
 def device_bytes(tree: Any) -> dict[Any, int]:

@@ -93,8 +93,9 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     A pytree of the structure of ``a``.
 
   Raises:
-    TypeError: if ``pred`` is not a bool scalar, leaves differ in dtype, or two
-      different non-array leaves meet.
+    TypeError: if ``pred`` is not a bool scalar, leaves differ in dtype, two
+      different non-array leaves meet, or an array holds no numbers (a
+      NumPy ``object`` array).
     ValueError: if ``pred`` is not a scalar, the trees differ in structure, or
       leaves differ in shape.
 
@@ -116,6 +117,8 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     x_is_array = isinstance(x, (jax.Array, np.ndarray, np.generic))
     y_is_array = isinstance(y, (jax.Array, np.ndarray, np.generic))
     if x_is_array or y_is_array:
+      check_numeric_leaf(x, "select_tree")
+      check_numeric_leaf(y, "select_tree")
       x_arr, y_arr = jnp.asarray(x), jnp.asarray(y)
       where = jax.tree_util.keystr(path) or "the root"
       if x_arr.shape != y_arr.shape:

@@ -20,6 +20,11 @@ plain-Python model of it):
   them have been seen every further one backs off, until the scale grows.
 * The scale is a float32 scalar, never non-finite, never above
   ``max_loss_scale`` and never below ``min_loss_scale``.
+* Every scale and bound lies in ``[2**-126, 2**126]``, where it and its
+  reciprocal (which unscales) are normal float32 numbers (XLA flushes
+  subnormals to zero), and ``factor`` and ``backoff_factor`` must differ
+  from 1 in float32 (``1.00000001`` is 1.0 there, and would never move the
+  scale).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import numpy as np
 
 from jmp_lite import _jaxpr, struct
 from jmp_lite import dtypes as _dtypes
-from jmp_lite._checks import check_numeric_leaf, check_scalar_bool
+from jmp_lite._checks import (
+  check_float32_factor,
+  check_numeric_leaf,
+  check_scalar_bool,
+  check_scale_range,
+)
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -136,52 +146,9 @@ def _concrete(value: Any) -> float | None:
   return float(value)
 
 
-# A scale must be a normal float32 whose reciprocal (what unscales) is one
-# too: XLA:CPU flushes subnormals to zero, so 1 / 3e38 would unscale every
-# gradient to 0, and a scale below 2**-126 would back off to 0.
-_SMALLEST_SCALE = 2.0 ** -126
-_LARGEST_SCALE = 2.0 ** 126
-
-
 def _check_positive_finite(value: Any, what: str,
                            given: Any = None) -> None:
-  """Raises unless a concrete float32 scale is in [2**-126, 2**126].
-
-  ``given`` is the value as the user wrote it, for the message (the stored
-  float32 may have rounded it to 0 or inf).
-  """
-  v = _concrete(value)
-  if v is None:
-    return
-  shown = (given if isinstance(given, numbers.Real)
-           and not isinstance(given, bool) else v)
-  if not (math.isfinite(v) and v > 0):
-    raise ValueError(f"{what} must be positive and finite, got {shown}"
-                     + (f" ({v} in float32)" if math.isfinite(float(shown))
-                        and float(shown) != v else ""))
-  if not _SMALLEST_SCALE <= v <= _LARGEST_SCALE:
-    raise ValueError(
-        f"{what} must be in [2**-126, 2**126] (float32's normal range, with"
-        " a normal reciprocal: XLA flushes subnormals to zero, so the scale"
-        f" or its unscaling factor 1/scale would become 0), got {shown}")
-
-
-def _check_float32_factor(value: float, what: str, low: float,
-                          high: float) -> None:
-  """Raises unless ``value`` stored as float32 lies strictly in (low, high).
-
-  The schedule multiplies a float32 scale by the factor in float32: a
-  factor that rounds to 1 (``1.00000001``) never moves the scale, one that
-  rounds to 0 or inf is not the number asked for.
-  """
-  with np.errstate(over="ignore", under="ignore"):
-    f32 = float(np.float32(value))
-  if not low < f32 < high:
-    raise ValueError(
-        f"{what}={value!r} is {f32!r} in float32, the dtype the scale is"
-        f" stored and multiplied in; it must be in ({low:g}, {high:g}) there"
-        + (" (a factor that rounds to 1 never moves the scale)"
-           if f32 == 1.0 else ""))
+  check_scale_range(_concrete(value), what, given)
 
 
 def _check_static_int(value: Any, what: str, minimum: int) -> int:
@@ -446,14 +413,14 @@ class DynamicLossScale(_MultiplyingScale):
     factor = _check_static_real(self.factor, "factor")
     if factor <= 1:
       raise ValueError(f"factor must be > 1, got {factor}")
-    _check_float32_factor(factor, "factor", 1.0, math.inf)
+    check_float32_factor(factor, "factor", 1.0, math.inf)
     backoff = self.backoff_factor
     if backoff is None:
       backoff = 1.0 / factor
     backoff = _check_static_real(backoff, "backoff_factor")
     if not 0 < backoff < 1:
       raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}")
-    _check_float32_factor(backoff, "backoff_factor", 0.0, 1.0)
+    check_float32_factor(backoff, "backoff_factor", 0.0, 1.0)
 
     scale = _as_scalar(self.loss_scale, _F32, "loss_scale")
     lo = _as_scalar(self.min_loss_scale, _F32, "min_loss_scale")

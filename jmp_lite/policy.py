@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_not_float0, check_not_object_array
 
 __all__ = ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
 
@@ -23,12 +24,13 @@ _KEYS = {
 _VALID_KEYS = "'params' (or 'p'), 'compute' (or 'c'), 'output' (or 'o')"
 
 
-def _is_float0(value: Any) -> bool:
-  """Whether ``value`` is JAX's ``float0`` (a dtype, or its scalar type)."""
-  try:
-    return np.dtype(value) == jax.dtypes.float0
-  except (TypeError, ValueError):
-    return False
+def _cast(tree: Any, dtype: Any) -> Any:
+  """Casts the floating leaves; refuses NumPy ``object`` arrays, which the
+  cast passed as "not floating" even when they held floats: a policy that
+  said bfloat16 left them in Python floats."""
+  for x in jax.tree.leaves(tree, is_leaf=_dtypes.is_opaque):
+    check_not_object_array(x, "A policy's cast")
+  return _dtypes.cast_floating(tree, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +68,7 @@ class Policy:
   def __post_init__(self) -> None:
     for name in ("param_dtype", "compute_dtype", "output_dtype"):
       value = getattr(self, name)
-      if not isinstance(value, str) and _is_float0(value):
-        # numpy names float0 "void", which said nothing.
-        raise TypeError(
-            f"{name} must be a floating dtype (float32, bfloat16, float16,"
-            " float64), got jax.dtypes.float0, the dtype of integer params'"
-            " gradients under jax.grad(..., allow_int=True), which holds no"
-            " values and is no dtype to compute or store in")
+      check_not_float0(value, name)
       dtype = _dtypes.to_floating_dtype(value, name)
       if getattr(self, name) is float:
         # Python's float is JAX's default float, as in jnp.zeros(3, float):
@@ -96,7 +92,7 @@ class Policy:
       >>> jmp_lite.get_policy("p=f16").cast_to_param(np.ones(2)).dtype
       dtype('float16')
     """
-    return _dtypes.cast_floating(x, self.param_dtype)
+    return _cast(x, self.param_dtype)
 
   def cast_to_compute(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to ``compute_dtype``.
@@ -112,7 +108,7 @@ class Policy:
       >>> jmp_lite.get_policy("c=bf16").cast_to_compute(jnp.ones(2)).dtype
       dtype(bfloat16)
     """
-    return _dtypes.cast_floating(x, self.compute_dtype)
+    return _cast(x, self.compute_dtype)
 
   def cast_to_output(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to ``output_dtype``.
@@ -129,7 +125,7 @@ class Policy:
       >>> p.cast_to_output(jnp.ones(2, jnp.bfloat16)).dtype
       dtype('float32')
     """
-    return _dtypes.cast_floating(x, self.output_dtype)
+    return _cast(x, self.output_dtype)
 
   def with_param_dtype(self, param_dtype: Any) -> Policy:
     """Returns a copy with ``param_dtype`` replaced.
@@ -275,7 +271,7 @@ def cast_to_full(tree: T) -> T:
     >>> jmp_lite.cast_to_full({"w": jnp.ones(2, jnp.bfloat16)})["w"].dtype
     dtype('float32')
   """
-  return _dtypes.cast_floating(tree, np.dtype(jnp.float32))
+  return _cast(tree, np.dtype(jnp.float32))
 
 
 def cast_to_half(tree: T) -> T:
@@ -292,4 +288,4 @@ def cast_to_half(tree: T) -> T:
     >>> jmp_lite.cast_to_half(jnp.ones(2)).dtype == jmp_lite.half_dtype()
     True
   """
-  return _dtypes.cast_floating(tree, _dtypes.half_dtype())
+  return _cast(tree, _dtypes.half_dtype())

@@ -27,6 +27,7 @@ import optax
 
 from jmp_lite import contract
 from jmp_lite import dtypes as _dtypes
+from jmp_lite._checks import check_argnums, check_grads_fit, shape_of
 from jmp_lite._skipping import reduce_finite
 from jmp_lite._trees import rewrap_nnx, unwrap_nnx
 from jmp_lite.finite import all_finite
@@ -147,19 +148,38 @@ def apply_updates(params: Any, updates: Any) -> Any:
   Returns:
     ``(p + u).astype(p.dtype)`` leaf by leaf, exactly as optax computes it.
 
+  Raises:
+    ValueError: if ``updates`` has another tree structure, or a leaf
+      another shape, than ``params`` (optax broadcasts it).
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> jmp_lite.step.apply_updates({"w": jnp.ones(2)}, {"w": jnp.ones(2)})
     {'w': Array([2., 2.], dtype=float32)}
   """
-  def apply(p: Any, u: Any) -> Any:
+  is_none = lambda x: x is None  # noqa: E731
+  p_def = jax.tree.structure(params, is_leaf=is_none)
+  u_def = jax.tree.structure(updates, is_leaf=is_none)
+  if p_def != u_def:
+    raise ValueError(
+        "apply_updates: the updates' tree structure differs from the"
+        f" params': updates {str(u_def):.300}, params {str(p_def):.300}")
+
+  def apply(path: Any, p: Any, u: Any) -> Any:
     if p is None:
       return None
+    u_shape, p_shape = shape_of(u), shape_of(p)
+    if u_shape is not None and p_shape is not None and u_shape != p_shape:
+      # p + u would broadcast: one update row added to every row.
+      raise ValueError(
+          f"apply_updates: the update at {jax.tree_util.keystr(path)} has"
+          f" shape {u_shape}, its param {p_shape}")
     if getattr(u, "dtype", None) == jax.dtypes.float0:
       return p
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
-  return jax.tree.map(apply, params, updates, is_leaf=lambda x: x is None)
+  return jax.tree_util.tree_map_with_path(apply, params, updates,
+                                          is_leaf=is_none)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -224,7 +244,8 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
 
   Raises:
     TypeError: if ``optimizer`` is not a gradient transformation, or a
-      floating param's gradient is an integer or bool array.
+      floating param's gradient is an integer or bool array (or a real
+      param's a complex one).
     ValueError: if ``params`` is ``None``, or ``grads`` has another tree
       structure or other shapes than ``params`` (a Python number is a
       scalar).
@@ -251,63 +272,12 @@ def update_and_apply(optimizer: optax.GradientTransformation, grads: Any,
         " update_and_apply(optimizer, grads, opt_state, params)")
   given_params, given_state = params, opt_state
   grads, opt_state, params = unwrap_nnx((grads, opt_state, params))
-  _check_grads_fit(grads, params)
+  check_grads_fit(grads, params, "update_and_apply")
   new_params, new_state = _step(optimizer, grads, opt_state, params, extra)
   # Back in the structures they came in (nnx variables included): a jitted
   # step or a lax.scan carry must see the same pytree on every call.
   return (rewrap_nnx(given_params, new_params),
           rewrap_nnx(given_state, new_state))
-
-
-def _check_grads_fit(grads: Any, params: Any) -> None:
-  """Raises unless ``grads`` has the params' tree and shapes (gradients of
-  another model, or transposed, failed deep inside optax or XLA)."""
-  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-  p_leaves, p_def = jax.tree.flatten(params)
-  if g_def != p_def:
-    raise ValueError(
-        "update_and_apply: the gradients' tree structure differs from the"
-        f" params' (gradients of another model or of a part of it?):"
-        f" grads {str(g_def):.300}, params {str(p_def):.300}")
-  for (path, g), p in zip(g_leaves, p_leaves, strict=True):
-    # A Python number is a scalar: a float for a (2, 3) param once passed
-    # (and broadcast into every element).
-    g_shape, p_shape = _shape_of(g), _shape_of(p)
-    where = jax.tree_util.keystr(path) or "the root"
-    if g_shape is not None and p_shape is not None and g_shape != p_shape:
-      raise ValueError(
-          f"update_and_apply: the gradient at {where} has shape {g_shape}"
-          f" ({type(g).__name__}), its param {p_shape}")
-    g_dtype, p_dtype = _dtype_of(g), _dtype_of(p)
-    if (g_dtype is not None and p_dtype is not None
-        and jnp.issubdtype(p_dtype, jnp.inexact)
-        and (jnp.issubdtype(g_dtype, jnp.integer) or g_dtype == np.bool_)):
-      # Scaling and unscaling pass integer leaves (they are no gradients
-      # of the scaled loss): a scaled integer gradient would be applied
-      # loss_scale times too large.
-      raise TypeError(
-          f"update_and_apply: the gradient at {where} is {g_dtype.name}, its"
-          f" param {p_dtype.name}: a floating param's gradient must be"
-          " floating (an integer one is never unscaled); cast the gradients,"
-          " e.g. jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)")
-
-
-def _shape_of(x: Any) -> tuple[int, ...] | None:
-  if isinstance(x, numbers.Number):
-    return ()
-  shape = getattr(x, "shape", None)
-  return None if shape is None else tuple(shape)
-
-
-def _dtype_of(x: Any) -> np.dtype | None:
-  if isinstance(x, bool):
-    return np.dtype(np.bool_)
-  if isinstance(x, int):
-    return np.dtype(np.int32)
-  if isinstance(x, float):
-    return np.dtype(np.float32)
-  dtype = getattr(x, "dtype", None)
-  return None if dtype is None else np.dtype(dtype)
 
 
 def _step(optimizer: optax.GradientTransformation, grads: Any,
@@ -425,26 +395,6 @@ def _loss_scale_of(loss_scale: Any) -> LossScale:
     raise ValueError(f"scaled_value_and_grad: {e}") from None
 
 
-def _is_index(value: Any) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(
-      value, (bool, np.bool_))
-
-
-def _check_argnums(argnums: Any) -> None:
-  """Raises unless ``argnums`` is None, an int or a non-empty tuple of ints
-  (JAX said "'str' object cannot be interpreted as an integer", or, for
-  ``True``, differentiated argument 1)."""
-  if argnums is None or _is_index(argnums):
-    return
-  if isinstance(argnums, (tuple, list)) and argnums and all(
-      _is_index(a) for a in argnums):
-    return
-  raise TypeError(
-      "scaled_value_and_grad: argnums must be None, an int or a non-empty"
-      " tuple of ints (the positions of the arguments to differentiate, as"
-      f" for jax.value_and_grad), got {type(argnums).__name__}: {argnums!r}")
-
-
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     loss_scale: Any,
@@ -526,7 +476,7 @@ def scaled_value_and_grad(
     raise TypeError(
         "value_and_grad must be callable (e.g. jax.value_and_grad), got"
         f" {value_and_grad!r}")
-  _check_argnums(argnums)
+  check_argnums(argnums, "scaled_value_and_grad")
   scale = _loss_scale_of(loss_scale)
 
   def scaled(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -172,6 +172,68 @@ BAD: dict[str, list[tuple[Callable[[], Any], type, str]]] = {
     "check_hardware": [
         (lambda: jmp_lite.check_hardware("int4"), ValueError, "int4"),
     ],
+    # The core's second sweep: each was accepted silently, or failed with
+    # JAX's or Python's own words.
+    "Policy.float0": [
+        (lambda: jmp_lite.Policy(jnp.float32, jax.dtypes.float0,
+                                 jnp.float32), TypeError, "float0")],
+    "DynamicLossScale.float32": [
+        (lambda: jmp_lite.DynamicLossScale(8.0, factor=1.00000001),
+         ValueError, "1.0 in float32"),
+        (lambda: jmp_lite.DynamicLossScale(8.0, max_loss_scale=3e38),
+         ValueError, "max_loss_scale")],
+    "all_finite.object": [
+        (lambda: jmp_lite.all_finite(np.array([np.nan], object)), TypeError,
+         "dtype object")],
+    "select_tree.object": [
+        (lambda: jmp_lite.select_tree(True, np.array([1.0], object),
+                                      np.array([2.0], object)), TypeError,
+         "dtype object")],
+    "cast_to_half.object": [
+        (lambda: jmp_lite.cast_to_half({"w": np.array([1.0], object)}),
+         TypeError, "object array")],
+    "update_and_apply.dtypes": [
+        (lambda: _step({"w": 0.5, "b": jnp.ones(3)}), ValueError,
+         "shape ()"),
+        (lambda: _step({"w": jnp.ones((2, 3), jnp.int32), "b": jnp.ones(3)}),
+         TypeError, "int32"),
+        (lambda: _step({"w": jnp.ones((2, 3), jnp.complex64),
+                        "b": jnp.ones(3)}), TypeError, "complex64")],
+    "step.apply_updates": [
+        (lambda: jmp_lite.step.apply_updates(P, {"w": jnp.ones(3),
+                                                 "b": jnp.ones(3)}),
+         ValueError, "(2, 3)"),
+        (lambda: jmp_lite.step.apply_updates(P, "u"), ValueError,
+         "updates' tree structure differs")],
+    "scaled_value_and_grad.argnums": [
+        (lambda: jmp_lite.scaled_value_and_grad(
+            lambda w: w.sum(), jmp_lite.NoOpLossScale(), argnums="0"),
+         TypeError, "argnums")],
+    "nonfinite_paths.counts": [
+        (lambda: jmp_lite.nonfinite_paths("x"), TypeError, "'x'")],
+    "raise_if_halted": [
+        (lambda: jmp_lite.raise_if_halted(LS.init(P)), ValueError,
+         "no skip_nonfinite"),
+        (lambda: jmp_lite.raise_if_halted(None), ValueError, "NoneType")],
+    "transforms.GuardConfig": [
+        (lambda: jmp_lite.transforms.GuardConfig(check_updates="no"),
+         TypeError, "check_updates"),
+        (lambda: jmp_lite.transforms.GuardConfig(skip_with="x"), ValueError,
+         "'x'"),
+        (lambda: jmp_lite.transforms.GuardConfig(axis_name=3), TypeError,
+         "axis_name")],
+    "distributed.init_sharded": [
+        (lambda: jmp_lite.distributed.init_sharded(SGD, {"w": "x"}),
+         TypeError, "str leaf at ['w']"),
+        (lambda: jmp_lite.distributed.state_shardings(SGD, "x"), TypeError,
+         "the root")],
+    "loss_scaled.state_config": [
+        (lambda: jmp_lite.loss_scaled(SGD, jmp_lite.StaticLossScale(8.0)
+                                      ).update(P, LS.init(P), P),
+         ValueError, "another configuration"),
+        (lambda: jmp_lite.loss_scaled(
+            SGD, jmp_lite.StaticLossScale(4.0), track_nonfinite=True
+        ).update(P, LS.init(P), P), ValueError, "track_nonfinite")],
 }
 
 

@@ -70,6 +70,21 @@ def test_on_four_devices():
   ], proc.stdout + proc.stderr
 
 
+def test_quantized_states_whose_blocks_span_devices_are_made_sharded():
+  """init_sharded and state_shardings raised JAX's ShardingTypeError for
+  quantized_states(adam) when a row-sharded param's last axis was shorter
+  than a block (tests/multidevice/distributed_quantized.py, 8 devices)."""
+  proc = subprocess.run(
+      [sys.executable, "-W", "error",
+       str(ROOT / "tests" / "multidevice" / "distributed_quantized.py")],
+      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(8),
+      timeout=TIMEOUT)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.splitlines() == [
+      "ok Explicit 8 bits", "ok Explicit 4 bits", "ok Auto 8 bits",
+  ], proc.stdout + proc.stderr
+
+
 RUN_PAGE = """
 import re, textwrap, warnings
 from pathlib import Path

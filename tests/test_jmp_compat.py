@@ -79,9 +79,9 @@ def test_jmp_docstring_loop_gives_the_same_trajectory():
   finite_seq = rng.random(300) < 0.9
   trajectories = []
   for lib in (jmp, jmp_lite):
-    # jmp has no upper bound; jmp_lite caps at 2**24 unless told otherwise.
-    extra = {} if lib is jmp else {
-        "max_loss_scale": float(np.finfo(np.float32).max)}
+    # jmp has no upper bound; jmp_lite caps at 2**24 unless told otherwise
+    # (at most 2**126, whose reciprocal is still a normal float32).
+    extra = {} if lib is jmp else {"max_loss_scale": 2.0 ** 126}
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       loss_scale = lib.DynamicLossScale(jnp.asarray(2.0**15), period=5,

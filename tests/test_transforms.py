@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import re
 from typing import Any
 
 import chex
@@ -514,7 +515,10 @@ def test_states_pickled_before_the_split_load_and_step():
   assert type(old) is jmp_lite.low_precision.KahanState
   assert type(old.inner_state) is jmp_lite.LossScaledState
   assert old.inner_state.config == jmp_lite.transforms.GuardConfig()
+  # It recorded no scale settings: they are read from its leaves as it
+  # loads, so it has the structure the optimizer's init makes.
   chex.assert_trees_all_equal(old, jax.device_get(opt.init(params)))
+  assert old.inner_state.scale_settings == (("loss_scale", 2.0),)
   new: Any = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, old, params)[1]
   assert int(new.inner_state.total_skips) == 0
   data = pickle.dumps(jax.device_get(new), protocol=4)
@@ -557,3 +561,195 @@ def test_float16_gradients_are_not_unscaled_in_float16(via):
   # Deliberate pure half precision may still unscale in float16.
   step(jmp_lite.loss_scaled(optax.sgd(1.0), jmp_lite.StaticLossScale(scale),
                             allow_half_state=True))
+
+
+def _static(value):
+  return jmp_lite.StaticLossScale(value)
+
+
+# loss_scaled's every configuration argument (but inner), each with two
+# values that make different optimizers: a state made under one is refused
+# by the other, both named.
+_LOSS_SCALED_CONFIGS = {
+    "loss_scale": [
+        (_static(128.0), _static(4.0), "loss_scale', 128.0"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, max_loss_scale=2.0 ** 16), "max_loss_scale', 16777216.0"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, min_loss_scale=2.0), "min_loss_scale', 1.0"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, period=7), "period"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, factor=3), "loss_scale is"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, backoff_factor=0.25), "loss_scale is"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, hysteresis=2), "loss_scale is"),
+        (jmp_lite.DynamicLossScale(8.0), jmp_lite.DynamicLossScale(
+            8.0, hysteresis_reset="growth"), "loss_scale is"),
+        (_static(4.0), jmp_lite.DynamicLossScale(4.0), "loss_scale is"),
+    ],
+    "axis_name": [(None, "data", "axis_name='data'")],
+    "name": [(None, "gen", "name is None, the optimizer's 'gen'")],
+    "track_nonfinite": [
+        (False, True, "track_nonfinite is False, the optimizer's True"),
+        (True, False, "track_nonfinite is True, the optimizer's False")],
+    "check_updates": [(False, True, "check_updates=True")],
+    "skip_with": [("cond", "select", "skip_with='select'")],
+}
+
+
+def _case_ids(configs):
+  return [(arg, i) for arg, cases in configs.items()
+          for i in range(len(cases))]
+
+
+@pytest.mark.parametrize("case", _case_ids(_LOSS_SCALED_CONFIGS),
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("via", ["update", "update_and_apply"])
+def test_loss_scaled_refuses_a_state_of_another_configuration(case, via):
+  """A StaticLossScale's value, a DynamicLossScale's bounds, flipped
+  track_nonfinite or allow_half_state: the state silently won. Every
+  configuration argument is now recorded in the state and compared."""
+  arg, i = case
+  made, stepped, needle = _LOSS_SCALED_CONFIGS[arg][i]
+
+  def build(value):
+    kwargs = {"loss_scale": _static(2.0), "check_updates": False,
+              "skip_with": "cond", arg: value}
+    loss_scale = kwargs.pop("loss_scale")
+    return jmp_lite.loss_scaled(optax.sgd(0.1), loss_scale, **kwargs)
+
+  params = _params()
+  state = build(made).init(params)
+  opt = build(stepped)
+  with pytest.raises(ValueError, match=r"loss_scaled\(\.\.\.\)\.update got a"
+                     r" state that another configuration made: .*"
+                     + re.escape(needle)) as info:
+    if via == "update":
+      opt.update(_grads(), state, params)
+    else:
+      jmp_lite.update_and_apply(opt, _grads(), state, params)
+  assert "the state's" in str(info.value)
+  assert "the optimizer's" in str(info.value)
+  # Its own optimizer steps it.
+  build(made).update(_grads(), state, params)
+
+
+def test_every_loss_scaled_argument_is_compared():
+  """A new configuration argument must be recorded and tested above."""
+  import inspect
+  arguments = set(inspect.signature(jmp_lite.loss_scaled).parameters)
+  # allow_half_state: refused one way only (the test below).
+  assert arguments - {"inner", "allow_half_state"} == set(
+      _LOSS_SCALED_CONFIGS)
+  arguments = set(inspect.signature(jmp_lite.skip_nonfinite).parameters)
+  assert arguments - {"inner"} == {"max_consecutive_skips", "axis_name",
+                                   "skip_with"}
+
+
+@pytest.mark.parametrize("arg,made,stepped,needle", [
+    ("max_consecutive_skips", None, 3, "max_consecutive_skips is None"),
+    ("axis_name", "data", None, "axis_name='data'"),
+    ("skip_with", "cond", "select", "skip_with='cond'"),
+])
+def test_skip_nonfinite_refuses_a_state_of_another_configuration(
+    arg, made, stepped, needle):
+  params = _params()
+  state = jmp_lite.skip_nonfinite(optax.sgd(0.1), **{arg: made}).init(params)
+  with pytest.raises(ValueError, match=r"another configuration made: .*"
+                     + re.escape(needle)):
+    jmp_lite.skip_nonfinite(optax.sgd(0.1), **{arg: stepped}).update(
+        _grads(), state, params)
+
+
+@pytest.mark.parametrize("via", ["update", "update_and_apply"])
+def test_half_moments_made_with_allow_half_state_are_refused_without_it(via):
+  """A state made with allow_half_state=True (bfloat16 Adam moments) was
+  stepped by an optimizer that refuses them at init, silently. The other
+  way round is accepted: the lenient optimizer could have made that state
+  too (a decision, docs/refusals.md)."""
+  params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+  grads = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+
+  def build(allow):
+    return jmp_lite.loss_scaled(optax.adam(0.1), jmp_lite.NoOpLossScale(),
+                                allow_half_state=allow, check_updates=False)
+
+  state = build(True).init(params)
+  with pytest.raises(ValueError, match=r"a state made with"
+                     r" allow_half_state=True.*this optimizer has"
+                     r" allow_half_state=False"):
+    if via == "update":
+      build(False).update(grads, state, params)
+    else:
+      jmp_lite.update_and_apply(build(False), grads, state, params)
+  f32 = {"w": jnp.ones((2, 3))}
+  strict = build(False).init(f32)
+  build(True).update(f32, strict, f32)
+
+
+def test_a_dynamic_scales_current_value_is_state_not_configuration():
+  """A documented decision: the scale a dynamic state has reached moves by
+  design, so a state started at another initial scale is accepted (the
+  bounds and schedule must match)."""
+  params = _params()
+  state = jmp_lite.loss_scaled(
+      optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 10)).init(params)
+  opt = jmp_lite.loss_scaled(optax.sgd(0.1),
+                             jmp_lite.DynamicLossScale(2.0 ** 15))
+  _, new = opt.update(_grads(2.0 ** 10), state, params)
+  assert float(new.loss_scale.loss_scale) == 2.0 ** 10
+
+
+def test_a_pickled_state_restored_into_another_configuration_is_refused():
+  params = _params()
+  made = jmp_lite.loss_scaled(optax.sgd(0.1), _static(128.0),
+                              track_nonfinite=True)
+  state = pickle.loads(pickle.dumps(jax.device_get(made.init(params))))
+  for other in (jmp_lite.loss_scaled(optax.sgd(0.1), _static(4.0),
+                                     track_nonfinite=True),
+                jmp_lite.loss_scaled(optax.sgd(0.1), _static(128.0))):
+    with pytest.raises(ValueError, match="another configuration made"):
+      other.update(_grads(128.0), state, params)
+  made.update(_grads(128.0), state, params)
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_an_orbax_restore_into_another_configuration_is_converted(
+    kind, tmp_path):
+  """orbax takes the static settings from the restore target and the leaves
+  from the checkpoint: a static scale of 128 restored into an optimizer
+  configured with 4, a dynamic scale of 2**20 into max_loss_scale=2**16.
+  The first step unscales by the scale its loss was scaled with (the
+  state's); from then on the configuration holds."""
+  import orbax.checkpoint as ocp
+
+  params = _params()
+  if kind == "static":
+    old = jmp_lite.loss_scaled(optax.sgd(0.1), _static(128.0))
+    new = jmp_lite.loss_scaled(optax.sgd(0.1), _static(4.0))
+    saved, then = 128.0, 4.0
+  else:
+    old = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(
+        2.0 ** 20, period=1000))
+    new = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(
+        2.0 ** 10, period=1000, max_loss_scale=2.0 ** 16))
+    saved, then = 2.0 ** 20, 2.0 ** 16
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "c", old.init(params))
+    ckptr.wait_until_finished()
+    state = ckptr.restore(tmp_path / "c", new.init(params))
+  scale = jmp_lite.current_loss_scale(state)
+  assert float(scale.loss_scale) == saved  # what the next loss is scaled by
+  step = jax.jit(lambda g, s, p: jmp_lite.update_and_apply(new, g, s, p))
+  got, state = step(_grads(saved), state, params)
+  chex.assert_trees_all_close(got, jax.tree.map(
+      lambda p, g: p - 0.1 * g, params, _grads()), rtol=1e-6)
+  scale = jmp_lite.current_loss_scale(state)
+  assert float(scale.loss_scale) == then
+  if kind == "dynamic":
+    assert float(scale.max_loss_scale) == 2.0 ** 16
+  # And the converted state keeps stepping with the new configuration.
+  got, state = step(_grads(then), state, got)
+  assert float(jmp_lite.current_loss_scale(state).loss_scale) == then

@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 
+from jmp_lite._checks import check_axis_name, check_bool
+
 _SKIP_WITH = ("auto", "cond", "select")
 
 
@@ -28,6 +30,14 @@ class GuardConfig:
   skip_with: str = "auto"
   check_updates: bool = False
   may_amplify: bool = False
+
+  def __post_init__(self) -> None:
+    # Built by the guards from checked arguments; checked again for a
+    # config built by hand (a truthy "no" would switch check_updates on).
+    check_axis_name(self.axis_name)
+    check_skip_with(self.skip_with)
+    for name in ("check_updates", "may_amplify"):
+      object.__setattr__(self, name, check_bool(getattr(self, name), name))
 
   def formulation(self) -> tuple[str, str]:
     """Returns ``("cond" | "select", why)`` for the current backend.

@@ -106,13 +106,23 @@ def raise_if_halted(opt_state: Any) -> None:
   Raises:
     NonFiniteHaltError: if halted; it names the limit that halted training
       and how many steps have been skipped since.
+    ValueError: if ``opt_state`` holds no :func:`skip_nonfinite` state
+      (nothing in it can halt).
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.skip_nonfinite(optax.sgd(0.1), max_consecutive_skips=3)
     >>> jmp_lite.raise_if_halted(opt.init(jnp.ones(2)))  # nothing to report
   """
-  for node in struct.find_nodes(opt_state, SkipNonfiniteState):
+  nodes = struct.find_nodes(opt_state, SkipNonfiniteState)
+  if not nodes:
+    # Nothing here can halt: checking it would always pass, silently.
+    raise ValueError(
+        "raise_if_halted found no skip_nonfinite(...) state in opt_state (a"
+        f" {type(opt_state).__name__}): only skip_nonfinite halts (with"
+        " max_consecutive_skips=N); pass the state its init made, or the"
+        " optimizer state that holds it")
+  for node in nodes:
     if bool(node.halted):
       raise NonFiniteHaltError(_halt_message(node))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ from jmp_lite._checks import (
   check_bool,
   check_own_state,
   check_transformation,
+  integer_gradients,
   listing,
 )
 from jmp_lite._nonfinite import nonfinite_counts
@@ -59,6 +61,14 @@ class LossScaledState(contract.Gate):
       of non-finite gradient elements (see ``jmp_lite.nonfinite_paths``);
       otherwise ``None``.
     config: the static :class:`GuardConfig`.
+    scale_settings: the loss scale's configured values, which are leaves
+      of the scale itself (static): ``(("loss_scale", 128.0),)`` for a
+      :class:`StaticLossScale`, its ``min_loss_scale`` and
+      ``max_loss_scale`` for a :class:`DynamicLossScale`, ``()`` for none.
+      A state pickled before they were recorded derives them from its
+      leaves when it is loaded.
+    allow_half_state: whether it was made with ``allow_half_state=True``
+      (static; ``False`` in a state pickled before it was recorded).
   """
 
   inner_state: Any
@@ -69,6 +79,18 @@ class LossScaledState(contract.Gate):
   name: str | None = struct.field(static=True, default=None)
   nonfinite: Any = None
   config: GuardConfig = struct.field(static=True, default=GuardConfig())
+  scale_settings: tuple[tuple[str, float | None], ...] | None = struct.field(
+      static=True, default=None)
+  allow_half_state: bool = struct.field(static=True, default=False)
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    # Pickled before the settings were recorded: its leaves are concrete
+    # (a pickle holds values), so they say what its scale was made with,
+    # and the state keeps the tree structure its optimizer's init makes.
+    if state.get("scale_settings") is None and "loss_scale" in state:
+      state = dict(state, scale_settings=_scale_settings(state["loss_scale"]))
+    for key, value in state.items():
+      object.__setattr__(self, key, value)
 
   def applied(self) -> jax.Array:
     """Whether the last step was applied (see :class:`jmp_lite.contract.Gate`).
@@ -130,10 +152,50 @@ def default_loss_scale(policy: Policy | str) -> LossScale:
   return NoOpLossScale()
 
 
-def _scale_kind(loss_scale: Any) -> Any:
+_CONFIGURED = {StaticLossScale: ("loss_scale",),
+               DynamicLossScale: ("min_loss_scale", "max_loss_scale")}
+
+
+def _scale_settings(loss_scale: LossScale
+                    ) -> tuple[tuple[str, float | None], ...]:
+  """The configured values a loss scale keeps as leaves (a static scale's
+  value, a dynamic scale's bounds), as Python floats; ``None`` for one
+  traced when the optimizer was built."""
+  return tuple(
+      (n, None if _jaxpr.is_tracer(getattr(loss_scale, n))
+       else float(getattr(loss_scale, n)))
+      for n in _CONFIGURED.get(type(loss_scale), ()))
+
+
+def _conform(loss_scale: LossScale, configured: LossScale) -> LossScale:
+  """``loss_scale`` with the configured values of ``configured``.
+
+  A state restored into this optimizer by orbax takes its static settings
+  from the restore target (this optimizer's ``init``) but its leaves from
+  the checkpoint: a static scale's value or a dynamic scale's bounds of
+  another configuration. The step that consumes such a state unscales by
+  the scale its loss was scaled with (the state's); from then on the
+  configured values hold, the dynamic scale clipped into its new bounds.
+  """
+  changes = {n: jnp.asarray(getattr(configured, n), jnp.float32)
+             for n in _CONFIGURED.get(type(configured), ())
+             if not _jaxpr.is_tracer(getattr(configured, n))}
+  if isinstance(loss_scale, DynamicLossScale) and changes:
+    changes["loss_scale"] = jnp.clip(
+        jnp.asarray(loss_scale.loss_scale, jnp.float32),
+        changes.get("min_loss_scale", loss_scale.min_loss_scale),
+        changes.get("max_loss_scale", loss_scale.max_loss_scale))
+  return struct.replace(loss_scale, **changes) if changes else loss_scale
+
+
+def _scale_kind(loss_scale: Any) -> str:
   """A loss scale's class and static settings (``period``, ``factor``,
-  ``hysteresis``...): its own pytree node, children as leaves."""
-  return jax.tree.structure(loss_scale, is_leaf=lambda n: n is not loss_scale)
+  ``hysteresis``...), as it would be written: what its pytree node holds."""
+  static = ", ".join(
+      f"{f.name}={getattr(loss_scale, f.name)!r}"
+      for f in dataclasses.fields(loss_scale)
+      if f.metadata.get("jmp_lite.static"))
+  return f"{type(loss_scale).__name__}({static})"
 
 
 def loss_scaled(
@@ -260,6 +322,7 @@ def loss_scaled(
     check_updates = allow_half_state
   initial_scale = loss_scale
   scale_kind = _scale_kind(loss_scale)
+  scale_settings = _scale_settings(loss_scale)
   check_unscaled = _may_amplify(loss_scale)
   config = GuardConfig(axis_name=check_axis_name(axis_name),
                        skip_with=check_skip_with(skip_with),
@@ -269,7 +332,9 @@ def loss_scaled(
   def tracked(grads: Any) -> Any:
     if not track_nonfinite:
       return None
-    return nonfinite_counts(grads)
+    counts = nonfinite_counts(grads)
+    # Never None when tracking: that is how a state says it was not made so.
+    return () if counts is None else counts
 
   def init(params: Any) -> LossScaledState:
     inner_state = inner.init(params)
@@ -294,12 +359,30 @@ def loss_scaled(
         name=name,
         nonfinite=tracked(params),
         config=config,
+        scale_settings=scale_settings,
+        allow_half_state=allow_half_state,
     )
 
   def check(state: Any) -> None:
     check_own_state(state, LossScaledState, "loss_scaled")
+    # Tracking is read from what the state holds (counts or none), so that
+    # pickles of every version and orbax restores are judged alike.
+    more: dict[str, tuple[Any, Any]] = {
+        "track_nonfinite": (state.nonfinite is not None, track_nonfinite)}
+    if state.scale_settings is not None:
+      more["loss scale's settings"] = (state.scale_settings, scale_settings)
     check_config(state, config, "loss_scaled", name=(state.name, name),
-                  loss_scale=(_scale_kind(state.loss_scale), scale_kind))
+                  loss_scale=(_scale_kind(state.loss_scale), scale_kind),
+                  **more)
+    if state.allow_half_state and not allow_half_state:
+      # One way only: a state made without it is one this optimizer could
+      # have made too.
+      raise ValueError(
+          "loss_scaled(...).update got a state made with"
+          " allow_half_state=True (it may hold half-precision moments); this"
+          " optimizer has allow_half_state=False and would refuse them at"
+          " init. Step it with the optimizer whose init made it, or pass"
+          " allow_half_state=True")
 
   def governs(state: LossScaledState) -> Any:
     # What the decision updates: a decision varying per device where these
@@ -349,53 +432,34 @@ def loss_scaled(
         inner_state=new_inner,
         # The scale answers to the gradients only: an update that overflows
         # inside the optimizer is not the loss scale's doing.
-        loss_scale=scale.adjust(finite),
+        loss_scale=_conform(scale.adjust(finite), initial_scale),
         total_skips=counts.total_skips,
         consecutive_skips=counts.consecutive_skips,
         last_finite=apply,
         name=name,
         nonfinite=_tracked_after(decision, counted),
         config=config,
+        scale_settings=scale_settings,
+        allow_half_state=allow_half_state,
     )
 
   def _tracked_after(decision: Decision | None, grads: Any) -> Any:
     if track_nonfinite and decision is not None and decision.apply:
       # Finite by decision: the counts are zeros, no need to read them.
-      return jax.tree.map(
+      zeros = jax.tree.map(
           lambda x: jnp.zeros((), jnp.int32)
           if _dtypes.is_inexact_array(x) else None, grads)
+      return () if zeros is None else zeros
     return tracked(grads)
 
   return guard(init, run, config, check, governs=governs)
 
 
 def _refuse_integer_grads(grads: Any, params: Any) -> None:
-  """Raises for integer or bool gradients of floating params.
-
-  Unscaling passes integer leaves (no gradient of the scaled loss is one),
-  so such a gradient reached the optimizer ``loss_scale`` times too large.
-  Without params (or with another structure) every integer gradient is
-  refused: whose gradient it is cannot be told.
-  """
-  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-  p_leaves: list[Any] = [None] * len(g_leaves)
-  if params is not None:
-    flat, p_def = jax.tree.flatten(params)
-    if p_def == g_def:
-      p_leaves = flat
-  bad = []
-  for (path, g), p in zip(g_leaves, p_leaves, strict=True):
-    g_dtype = getattr(g, "dtype", None)
-    if g_dtype is None or not (jnp.issubdtype(g_dtype, jnp.integer)
-                               or g_dtype == np.bool_):
-      continue
-    p_dtype = getattr(p, "dtype", None)
-    if p_dtype is not None and not jnp.issubdtype(p_dtype, jnp.inexact):
-      continue  # An integer param's own integer gradient: never unscaled.
-    bad.append(f"{jax.tree_util.keystr(path) or 'the root'}"
-               f" ({np.dtype(g_dtype).name}"
-               + (f" for a {np.dtype(p_dtype).name} param)" if p_dtype
-                  is not None else ")"))
+  """Raises for integer or bool gradients of floating params: unscaling
+  passes integer leaves, so they reached the optimizer ``loss_scale`` times
+  too large. Without params every integer gradient is refused."""
+  bad = integer_gradients(grads, params)
   if bad:
     raise TypeError(
         "loss_scaled got integer or bool gradients (" + listing(bad)
