@@ -110,7 +110,7 @@ def char_lm(recipe: Any, *, steps: int, lr: float = 3e-4, seq: int = 32,
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--seeds", type=int, default=2)
   args = parser.parse_args()
