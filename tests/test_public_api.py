@@ -121,7 +121,8 @@ def test_one_meaning_per_name():
   # same meaning, for another framework.
   # jmp_lite.fp4 mirrors jmp_lite.fp8's API (dot_general) for 4-bit formats.
   adapters = {"jmp_lite.linen", "jmp_lite.nnx", "jmp_lite.equinox",
-              "jmp_lite.fp8.linen", "jmp_lite.fp8.nnx", "jmp_lite.fp4"}
+              "jmp_lite.fp8.linen", "jmp_lite.fp8.nnx", "jmp_lite.fp4",
+              "jmp_lite.fp4.linen", "jmp_lite.fp4.nnx"}
   clashes = {name: list(by_id.values()) for name, by_id in meanings.items()
              if len(by_id) > 1 and len(
                  {m for mods in by_id.values() for m in mods} - adapters) > 1}
