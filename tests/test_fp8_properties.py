@@ -3,10 +3,10 @@ dtypes and magnitudes a generator picks.
 
 * quantise-dequantise: every element within its format's rounding of the
   original, plus half a subnormal step of its block's scale;
-* every recipe's dot within its formats' rounding of a float64 reference
-  (relative to ``|x| @ |w|``, which bounds cancellation) wherever the exact
-  result is a normal number of the output dtype, from float32's smallest
-  normal numbers to its largest;
+* every recipe's dot, and both its gradients, within its formats'
+  rounding of a float64 reference (relative to ``|x| @ |w|``, which bounds
+  cancellation) wherever the exact result is a normal number of the output
+  dtype, from float32's smallest normal numbers to its largest;
 * inf and NaN poison exactly the outputs whose blocks hold them.
 
 Arrays come from NumPy seeded by the drawn seed (hypothesis draws the
@@ -16,6 +16,7 @@ default run takes a few examples of each, ``-m slow`` many more.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import hypothesis
@@ -38,7 +39,7 @@ FAST = hypothesis.settings(
     max_examples=12, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 DEEP = hypothesis.settings(
-    max_examples=150, deadline=None,
+    max_examples=80, deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 
@@ -129,14 +130,21 @@ def test_quantize_round_trip_is_within_the_format_deep(data, fmt, margin):
 LAYOUTS = ["row", "vector", "square", "mx-up", "mx-floor"]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _round_trip_blocks(x, layout):
+  q, inv = quantize_blocks(x, layout)
+  return q, inv, dequantize_blocks(q, inv, x.shape[2])
+
+
 def _blocks_round_trip(data, kind, fmt_name, bs):
   name, x = data
   fmt = E4M3 if fmt_name == "e4m3" else E5M2
   mx = kind.startswith("mx")
   layout = (Layout("mx", fmt, 0, 32, kind[3:]) if mx
             else Layout(kind, fmt, 0, bs))
-  q, inv = quantize_blocks(jnp.asarray(x, DTYPES[name])[None], layout)
-  back = np.asarray(dequantize_blocks(q, inv, x.shape[1]), np.float64)[0]
+  q, inv, back = _round_trip_blocks(jnp.asarray(x, DTYPES[name])[None],
+                                    layout)
+  back = np.asarray(back, np.float64)[0]
   inv = np.asarray(inv, np.float64)[0]                       # (rows, nb)
   nb, size = inv.shape[1], q.shape[3]
   per_elem = np.repeat(inv, size, axis=1)[:, :x.shape[1]]
@@ -281,6 +289,76 @@ def test_fp8_dots_are_within_their_format_of_float64(case, recipe, bs):
 @hypothesis.given(_dot_cases(), st.sampled_from(RECIPES), st.integers(1, 40))
 def test_fp8_dots_are_within_their_format_of_float64_deep(case, recipe, bs):
   _dot_within_tolerance(case, recipe, bs)
+
+
+def _product_bound(a, b, fa, fb, rel_a, rel_b, mx):
+  """The error bound of ``a @ b`` with ``a`` in format ``fa`` and ``b`` in
+  ``fb``, each scaled by (at most) its own global amax."""
+  def err(v, fmt, rel):
+    inv = max(np.max(np.abs(v)) / _fmax(fmt) * (2 if mx else 1), 2.0 ** -126)
+    return rel * np.abs(v) + inv * _sub(fmt) / 2
+  ea, eb = err(a, fa, rel_a), err(b, fb, rel_b)
+  aa, ab = np.abs(a), np.abs(b)
+  return ea @ ab + aa @ eb + ea @ eb + 1e-5 * (aa @ ab)
+
+
+@st.composite
+def _grad_cases(draw):
+  name = draw(st.sampled_from(tuple(DTYPES)))
+  lo, hi = _exponent_range(DTYPES[name])
+  m, k, n = (draw(st.integers(1, 6)), draw(st.integers(1, 70)),
+             draw(st.integers(1, 6)))
+  # Pairwise sums of the three binades cover the dtype's range.
+  half = st.integers(lo // 2 + 4, (hi - 7) // 2)
+  ex, ew, ec = draw(half), draw(half), draw(half)
+  spread = draw(st.integers(0, 12))
+  seed = draw(st.integers(0, 2**31))
+  dtype = DTYPES[name]
+  return (name, _values(seed, (m, k), ex, spread, dtype),
+          _values(seed + 1, (k, n), ew, spread, dtype),
+          _values(seed + 2, (m, n), ec, spread, dtype))
+
+
+def _grads_within_tolerance(case, recipe_name, bs):
+  name, x, w, c = case
+  dtype = DTYPES[name]
+  recipe = _recipe(recipe_name, bs)
+  dot = fp8.dot_general(recipe)
+  loss = lambda a, b: jnp.sum(
+      dot(a, b, MATMUL).astype(jnp.float32) * jnp.asarray(c, dtype))
+  gx, gw = jax.jit(jax.grad(loss, (0, 1)))(jnp.asarray(x, dtype),
+                                          jnp.asarray(w, dtype))
+  assert gx.dtype == dtype and gw.dtype == dtype
+  fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+  floor = recipe_name == "mx-floor"
+  mx = recipe_name.startswith("mx")
+  ru = lambda fmt: max(_u(fmt), 0.125) if floor else _u(fmt)
+  out = jnp.finfo(dtype)
+  for got, ref, bound in (
+      (gx, c @ w.T, _product_bound(c, w.T, bwd, fwd, ru(bwd), ru(fwd), mx)),
+      (gw, x.T @ c, _product_bound(x.T, c, fwd, bwd, ru(fwd), ru(bwd), mx))):
+    size = max(x.shape[0], w.shape[1])
+    bound = (bound + float(out.eps) * np.abs(ref) + (size + 4) * TINY32
+             + float(out.smallest_normal))
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    keep = np.abs(ref) + bound <= float(out.max)
+    assert np.all(np.isfinite(got[keep]))
+    excess = (np.abs(got - ref) - bound)[keep]
+    assert np.all(excess <= 0), (np.max(excess), ref.flat[np.argmax(excess)])
+
+
+@FAST
+@hypothesis.given(_grad_cases(), st.sampled_from(RECIPES), st.integers(1, 40))
+def test_fp8_gradients_are_within_their_formats_of_float64(case, recipe, bs):
+  _grads_within_tolerance(case, recipe, bs)
+
+
+@pytest.mark.slow
+@DEEP
+@hypothesis.given(_grad_cases(), st.sampled_from(RECIPES), st.integers(1, 40))
+def test_fp8_gradients_are_within_their_formats_of_float64_deep(case, recipe,
+                                                                bs):
+  _grads_within_tolerance(case, recipe, bs)
 
 
 # ------------------------------------------------------------- inf and NaN

@@ -66,7 +66,7 @@ class Fp8DotGeneral(nn.Module):
       lhs: the left operand.
       rhs: the right operand.
       dimension_numbers: as for ``jax.lax.dot_general``.
-      precision: accepted and ignored.
+      precision: checked as ``jax.lax.dot_general`` checks it, then ignored.
       preferred_element_type: the result's dtype (default: the operands').
       out_sharding: passed to the forward matmul.
 
