@@ -14,7 +14,8 @@ bytes per parameter. These transformations fix it at 6-8:
   dtypes while the optimizer computes in float32; optax alone cannot choose
   the dtype of ``nu`` (optax issue 1552).
 * :func:`quantized_states` stores it in 8 or 4 bits per element, one scale
-  per block: with stochastic rounding, Adam at about 4 bytes per parameter.
+  per block: with stochastic rounding, bfloat16 params and Adam's state
+  together take about 4 bytes per parameter.
 
 Together (``kahan_summation(state_dtypes(adam, "bf16"))``) they are the
 ``O3`` preset's default recipe; see ``docs/low_precision.md``.

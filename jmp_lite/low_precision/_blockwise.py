@@ -194,7 +194,12 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
   # Other non-finite elements saturate (NaN to zero); the outlier's own
   # code is never read.
   mag = jnp.where(jnp.isnan(mag) | at, 0.0, mag)
-  unit = jnp.clip(mag / jnp.where(wide > 0, wide, 1.0), 0.0, 1.0)
+  # Times 1 / sqrt(scale), twice: 1 / scale itself is a float32 subnormal
+  # for scales above 2**126, which XLA:CPU flushes to zero (its x / s is
+  # x * (1 / s)), and a block of 1e37s would come back as zeros.
+  root = jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
+  inv_root = 1.0 / root
+  unit = jnp.clip((mag * inv_root) * inv_root, 0.0, 1.0)
   unit = jnp.where(jnp.isinf(mag), 1.0, unit)
   companded = unit ** (1.0 / power)
   if signed:
