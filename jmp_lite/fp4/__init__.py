@@ -22,8 +22,8 @@ Example:
   >>> def loss(w, x, key):
   ...   dot = jmp_lite.fp4.dot_general(recipe, key)
   ...   return dot(x, w, (((1,), (0,)), ((), ()))).sum()
-  >>> g = jax.grad(loss)(jnp.ones((16, 2)), jnp.ones((4, 16)),
-  ...                    jax.random.key(0))
+  >>> g = jax.jit(jax.grad(loss))(jnp.ones((16, 2)), jnp.ones((4, 16)),
+  ...                             jax.random.key(0))
   >>> g.shape, float(g[0, 0])
   ((16, 2), 4.0)
 """
