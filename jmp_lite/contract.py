@@ -26,9 +26,13 @@ A declaration travels on the transformation's ``update`` function
 (:class:`DeclaredUpdate`), so that it survives optax rebuilding the
 transformation's ``NamedTuple`` and is never planted in a state.
 
-States declare one thing, :class:`Gate`: whether the step that made them
-moved any param. Wrappers that must not advance on skipped steps
-(stochastic rounding's random stream, FP8's amax history) ask it.
+States declare three things: :class:`Gate`, whether the step that made
+them moved any param; :class:`RoundsHalfParams`, that their transformation
+rounds updates into half params (and so must see them);
+:class:`HoldsMasterCopy`, that they hold a master copy of the params (which
+no wrapper may store narrow). Wrappers that must not advance on skipped
+steps (stochastic rounding's random stream, FP8's amax history) ask the
+first.
 
 Which module may use what: every optimizer module (``transforms``,
 ``master``, ``accumulation``, ``low_precision``) imports this one to
@@ -49,8 +53,8 @@ import jax.numpy as jnp
 import optax
 
 __all__ = ["DeclaredUpdate", "Forwarding", "Gate", "Guarding",
-           "UpdateFn", "contract_of", "declare", "step_applied",
-           "without_half_by_design"]
+           "HoldsMasterCopy", "RoundsHalfParams", "UpdateFn", "contract_of",
+           "declare", "step_applied", "without_half_by_design"]
 
 UpdateFn = Callable[..., tuple[Any, Any]]
 """``update(updates, state, params=None, **extra) -> (updates, state)``."""

@@ -31,6 +31,7 @@ from jmp_lite.low_precision._kahan import kahan_summation, KahanState
 from jmp_lite.low_precision._quantized import (
   quantized_states,
   QuantizedArray,
+  QuantizedConfig,
   QuantizedStatesState,
 )
 from jmp_lite.low_precision._state_dtypes import (
@@ -42,7 +43,8 @@ from jmp_lite.low_precision._stochastic_rounding import (
   StochasticRoundingState,
 )
 
-__all__ = ["KahanState", "QuantizedArray", "QuantizedStatesState",
+__all__ = ["KahanState", "QuantizedArray", "QuantizedConfig",
+           "QuantizedStatesState",
            "StateDtypesState", "StochasticRoundingState", "kahan_summation",
            "quantized_states", "state_dtypes", "stochastic_rounding"]
 
