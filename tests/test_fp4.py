@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ def test_recipes_defaults_frozen_hashable():
     NV.block_size = 32  # type: ignore[misc]
   per = fp4.PerDirection(NV, MX, None)
   assert hash(per) == hash(fp4.PerDirection(NV, MX, None))
+  assert pickle.loads(pickle.dumps(per)) == per
 
 
 # Bad arguments on purpose (the file-level pyright comment above).
@@ -373,6 +375,21 @@ def test_per_direction_formats():
   wq = qdq(w, MX, 1, "weight")
   np.testing.assert_allclose(dx_hi, qdq(g, MX, 1, "gradient") @ wq.T,
                              rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("recipe", [NV, MX], ids=["nvfp4", "mxfp4"])
+def test_a_non_finite_operand_makes_the_product_nan(recipe):
+  # So that loss_scaled skips the step instead of FP4 saturation hiding an
+  # overflow.
+  x, w, g = data()
+  x = x.at[3, 5].set(jnp.inf)
+  y, dx, dw = grads(recipe, None, x, w, g)
+  y = np.asarray(y)
+  assert np.isnan(y[3]).all()
+  if recipe is NV:  # the per-tensor scale: every output
+    assert np.isnan(y).all()
+  else:  # the MX block's scale: its row only
+    assert np.isfinite(np.delete(y, 3, axis=0)).all()
 
 
 def test_jit_traces_once_and_keys_can_be_traced():
