@@ -112,7 +112,8 @@ def formulation(optimizer: optax.GradientTransformation,
 
   Raises:
     TypeError: if ``optimizer`` is not a gradient transformation (an
-      optimizer *state*, as this function took before 0.4).
+      optimizer *state*, say: the formulation is read from what the
+      transformation declares).
 
   Example:
     >>> import optax, jmp_lite
