@@ -341,3 +341,44 @@ def test_states_keep_their_configuration_through_pytree_tools():
                  jax.jit(lambda s: s)(state)):
       assert copy.config == state.config
     assert dataclasses.replace(state).config == state.config
+
+
+# ------------------------------------------ bad input: the remaining arguments
+
+P = jax.sharding.PartitionSpec
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: _QS(optax.adam(1e-3), unsigned=[1]), TypeError,
+     "unsigned must be a sequence of field names, got \\[1\\]"),
+    (lambda: _QS(optax.adam(1e-3), unsigned=("nu", None)), TypeError,
+     "sequence of field names"),
+    (lambda: _QS("adam"), TypeError, "optax.GradientTransformation"),
+    (lambda: jmp_lite.master_weights(optax.sgd(0.1),
+                                     dtype=jnp.float8_e5m2),
+     ValueError, "float8_e5m2 master copy cannot hold"),
+    (lambda: jmp_lite.master_weights(optax.sgd(0.1), update_dtype="int8"),
+     ValueError, "Unknown dtype 'int8'"),
+    (lambda: jmp_lite.state_dtypes(optax.adam(1e-3), {1: "bf16"}), TypeError,
+     "pattern keys must be str"),
+    (lambda: jmp_lite.state_dtypes(optax.adam(1e-3), "bf16", seed=2**32),
+     ValueError, "seed must be in"),
+    (lambda: jmp_lite.stochastic_rounding(optax.sgd(0.1), seed="0"),
+     TypeError, "seed must be an int"),
+    (lambda: jmp_lite.accumulate_gradients(optax.sgd(0.1), every_k=0),
+     ValueError, "every_k must be >= 1"),
+])
+def test_bad_arguments_name_the_value(make, error, match):
+  with pytest.raises(error, match=match):
+    make()
+
+
+def test_bad_specs_are_refused_at_update():
+  params = {"w": jnp.ones((4, 256))}
+  for specs, error, match in (
+      ({"w": "rows"}, TypeError, "PartitionSpec or None, got 'rows'"),
+      ({"v": P()}, ValueError, "pytree prefix of the params")):
+    opt = _QS(optax.adam(1e-3), specs=specs)
+    state = opt.init(params)
+    with pytest.raises(error, match=match):
+      opt.update(params, state, params)
