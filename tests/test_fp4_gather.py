@@ -4,7 +4,8 @@ The device count is fixed when JAX starts, so the checks live in
 tests/multidevice/fp4_gather.py: values equal to quantise-dequantise of the
 global tensor, FP4 codes and 8-bit scales in the lowered all-gathers at
 <= 0.30x a bfloat16 gather's bytes, a float32 reduce-scatter for the
-gradient.
+gradient; and fp4.dot_general inside shard_map, its replicated weight's
+gradient summed over the shards.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def test_all_gather_moves_fp4_and_reduce_scatters_in_float32():
   assert lines[6:] == ["ok nvfp4 bytes 0.2520x bf16",
                        "ok nvfp4-1d bytes 0.2812x bf16",
                        "ok mxfp4 bytes 0.2656x bf16",
-                       "ok float32 reduce-scatter"], proc.stdout
+                       "ok float32 reduce-scatter",
+                       "ok matmul in shard_map"], proc.stdout
 
 
 @pytest.mark.parametrize("args, error, match", [

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import varying_axes
 from jmp_lite.fp4._quantize import (
   as_key,
   hadamard_signs,
@@ -168,8 +169,8 @@ def _canonical(x: jax.Array, w: jax.Array, key: Any, plan: _Plan) -> jax.Array:
 def _canonical_fwd(x, w, key, plan):
   y, qw = _forward(x, w, plan)
   keep_w = None if plan.reuse else w
-  return y, (x, keep_w, qw if plan.reuse else None, key,
-             jnp.zeros((0,), w.dtype))
+  # An empty slice of w: its dtype and the shard_map axes it varies over.
+  return y, (x, keep_w, qw if plan.reuse else None, key, w.reshape(-1)[:0])
 
 
 def _canonical_bwd(plan: _Plan, res, g):
@@ -198,7 +199,16 @@ def _canonical_bwd(plan: _Plan, res, g):
     qxt = quantize_blocks(xt, plan.wgrad)
     dw = gemm(qgt, qxt, plan.wgrad, plan.native)[:, :n]
   key_ct = None if key is None else np.zeros(key.shape, jax.dtypes.float0)
+  dx, dw = _like_primal(dx, x), _like_primal(dw, w_like)
   return dx.astype(x.dtype), dw.astype(w_like.dtype), key_ct
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """``ct`` summed over the ``shard_map`` axes it varies over and ``primal``
+  does not: a weight replicated over the batch's axis gets the sum of the
+  shards' gradients (the transpose of JAX's implicit broadcast)."""
+  extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct
 
 
 _canonical.defvjp(_canonical_fwd, _canonical_bwd)

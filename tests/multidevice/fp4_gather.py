@@ -80,3 +80,32 @@ assert re.search(r"reduce_scatter(.|\n)*?: \(tensor<[0-9x]*xf32>\)", text), (
 grad = jax.jit(jax.grad(loss))(wb)
 assert grad.dtype == jnp.bfloat16
 print("ok float32 reduce-scatter")
+
+
+# fp4.dot_general inside shard_map: the batch split over the devices, the
+# weight replicated. Its gradient is the sum over the shards (a psum the
+# custom VJP adds), the unsharded matmul's. MXFP4 without the transform has
+# no tensor-wide scale and its 32-token blocks fit a 32-row shard, so the
+# numbers are the unsharded ones up to the float32 summation order.
+mx = fp4.MXFP4(hadamard=0)
+dims = (((1,), (0,)), ((), ()))
+x = jnp.asarray(rng.normal(size=(128, 64)), jnp.float32)
+wr = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+
+
+def sharded_loss(w, x):
+  f = jax.shard_map(lambda w, x: fp4.dot_general(mx)(x, w, dims), mesh=MESH,
+                    in_specs=(P(), P("fsdp")), out_specs=P("fsdp"))
+  return jnp.sum(f(w, x) ** 2)
+
+
+def plain_loss(w, x):
+  return jnp.sum(fp4.dot_general(mx)(x, w, dims) ** 2)
+
+
+got = jax.jit(jax.grad(sharded_loss, argnums=(0, 1)))(wr, x)
+want = jax.jit(jax.grad(plain_loss, argnums=(0, 1)))(wr, x)
+for a, b in zip(got, want, strict=True):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                             atol=1e-4)
+print("ok matmul in shard_map")
