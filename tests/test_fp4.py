@@ -74,20 +74,19 @@ def ref_nvfp4(x, bs=16, tiles=False):
   amax = np.max(np.abs(x), initial=F32(0))
   if not np.isfinite(amax):
     return np.full_like(x, np.nan)
-  s_enc = F32(1) if amax == 0 else min(F32(6 * 448) / amax,
-                                       np.finfo(F32).max)
+  # s_enc at most 2**126 (its inverse a normal number), and the float32
+  # order of the NVFP4 docstring.
+  s_enc = F32(1) if amax == 0 else min(F32(6 * 448) / amax, F32(2.0 ** 126))
   blocks = np.abs(xp).reshape(r, nb, bs).max(axis=2)
   if tiles:
     for i in range(0, r, bs):
       blocks[i:i + bs] = blocks[i:i + bs].max(axis=0)
-  # Transformer Engine's float32 order (the NVFP4 docstring's).
   s_b = np.clip(blocks * (F32(s_enc) / F32(6)), 0, 448)
   s_b = s_b.astype(ml_dtypes.float8_e4m3fn).astype(F32)
-  dec = s_b * (F32(1) / F32(s_enc))
   with np.errstate(divide="ignore"):
-    mult = np.where(dec > 0, F32(1) / dec, F32(0)).astype(F32)
-  v = xp * np.repeat(mult, bs, axis=1)
-  out = ref_e2m1(v) * np.repeat(dec, bs, axis=1)
+    mult = np.where(s_b > 0, F32(1) / s_b, F32(0)).astype(F32)
+  v = (xp * F32(s_enc)) * np.repeat(mult, bs, axis=1)
+  out = (ref_e2m1(v) * np.repeat(s_b, bs, axis=1)) * (F32(1) / F32(s_enc))
   return out[:, :c].astype(F32)
 
 
@@ -123,6 +122,16 @@ def hard_inputs(rows, cols, seed=0):
   x[3, :5] = F32(1e-40)                           # float32 subnormals
   x[4, 0] = F32(6 * 2.0 ** 30)                    # exactly on a power of 2
   return x
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-36, 1e-37])
+def test_nvfp4_tiny_tensors_are_exact(scale):
+  # A tensor this small needs s_enc near float32's limit; its inverse stays
+  # a normal number (XLA:CPU flushes subnormals, which zeroed them).
+  x = (hard_inputs(8, 32) * F32(scale / 3e4)).astype(F32)
+  got = qdq(x, NV, -1)
+  np.testing.assert_array_equal(got, ref_nvfp4(x))
+  assert np.abs(got).max() > 0
 
 
 @pytest.mark.parametrize("cols", [64, 37, 5])

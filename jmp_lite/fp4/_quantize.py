@@ -6,7 +6,7 @@ multiple of the block (zeros change no block's amax and no product). The
 result is a :class:`Quantized`: the E2M1 codes, one float32 scale per block
 (the exact value of its E4M3 or E8M0 scale) and the inverse of the tensor's
 float32 encoding scale (NVFP4's ``1 / s_enc``; 1 for MXFP4), decoded as
-``q * (scale * enc)``. All arithmetic is float32, in the order the
+``(q * scale) * enc``. All arithmetic is float32, in the order the
 docstring of :class:`jmp_lite.fp4.NVFP4` gives.
 """
 
@@ -27,6 +27,7 @@ _F32 = np.dtype(np.float32)
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
+_MAX_ENC = 2.0 ** 126
 # E8M0's exponent range (its 0xFF encoding is NaN).
 _E8M0_MIN, _E8M0_MAX = -127, 127
 
@@ -186,32 +187,33 @@ def quantize_blocks(x: jax.Array, fmt: Format, *, tiles: bool = False,
       amax = jnp.max(absx, initial=np.float32(0))
     finite = jnp.isfinite(amax)
     usable = finite & (amax > 0)
+    # At most 2**126, so that 1 / s_enc is a normal number (XLA:CPU
+    # flushes subnormals): only tensors with amax < 3.2e-35 see the cap.
     s_enc = jnp.where(usable, jnp.minimum(
         np.float32(FP4_MAX * E4M3_MAX) / jnp.where(usable, amax, 1),
-        np.float32(np.finfo(np.float32).max)), np.float32(1))
-    # Scalar divisions here and per block below: XLA turns a division by a
-    # broadcast value into a multiplication by its reciprocal, so the
-    # order is spelled out (Transformer Engine's) rather than left to it.
+        np.float32(_MAX_ENC)), np.float32(1))
+    # Divisions of scalars, and reciprocals per block: XLA turns a division
+    # by a broadcast value into a multiplication by its reciprocal, so the
+    # order is spelled out rather than left to it.
     raw = amax_b * (s_enc / np.float32(FP4_MAX))
     scale = jnp.clip(raw, 0, np.float32(E4M3_MAX)).astype(_E4M3).astype(_F32)
     scale = jnp.where(jnp.isnan(scale), np.float32(0), scale)
-    enc_inv = np.float32(1) / s_enc
-    dec = scale * enc_inv
-    mult = np.float32(1) / jnp.where(dec > 0, dec, np.float32(1))
-    v = jnp.where(dec[..., None] > 0, blocks * mult[..., None], np.float32(0))
+    mult = np.float32(1) / jnp.where(scale > 0, scale, np.float32(1))
+    v = jnp.where(scale[..., None] > 0, (blocks * s_enc) * mult[..., None],
+                  np.float32(0))
     v = jnp.where(jnp.isfinite(v), v, np.float32(0))
-    enc = jnp.where(finite, enc_inv, np.float32(np.nan))
+    enc = jnp.where(finite, np.float32(1) / s_enc, np.float32(np.nan))
   v = jnp.clip(v, -np.float32(FP4_MAX), np.float32(FP4_MAX))
   q = round_e2m1(v, key)
   return Quantized(q.reshape(b, p, nb * bs), scale, enc)
 
 
 def dequantize(t: Quantized, size: int | None = None) -> jax.Array:
-  """``q * (scale * enc)`` in float32, ``(B, P, size)`` (padding dropped)."""
+  """``(q * scale) * enc`` in float32, ``(B, P, size)`` (padding dropped)."""
   b, p, _ = t.q.shape
   nb = t.scale.shape[2]
   q = t.q.astype(_F32).reshape(b, p, nb, -1)
-  out = q * (t.scale * t.enc)[..., None]
+  out = (q * t.scale[..., None]) * t.enc
   out = out.reshape(b, p, -1)
   return out if size is None else out[..., :size]
 

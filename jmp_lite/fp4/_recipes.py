@@ -56,11 +56,12 @@ class NVFP4:
   * ``q = e2m1(x * s_enc / s_b)`` (round to nearest even, saturating at 6),
     decoded as ``q * s_b / s_enc``.
 
-  Evaluated in float32 in Transformer Engine's order, ``s_b = e4m3(amax_b
-  * (s_enc / 6))``, ``q = e2m1(x * (1 / (s_b * (1 / s_enc))))``, decoded
-  ``q * (s_b * (1 / s_enc))``: codes and scales are the formulas' except
-  within a float32 rounding of a rounding boundary, and identical wherever
-  the scales are powers of two.
+  Evaluated in float32 as ``s_b = e4m3(amax_b * (s_enc / 6))``, ``q =
+  e2m1((x * s_enc) * (1 / s_b))``, decoded ``(q * s_b) * (1 / s_enc)``,
+  with ``s_enc`` at most ``2**126`` (so that ``1 / s_enc`` is a normal
+  number): codes and scales are the formulas' except within a float32
+  rounding of a rounding boundary, and identical wherever the scales are
+  powers of two.
 
   In a matmul (:func:`jmp_lite.fp4.dot_general`): activations and gradients
   in ``1 x block_size`` blocks along each GEMM's contraction; the weight in
