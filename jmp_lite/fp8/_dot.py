@@ -2,12 +2,12 @@
 
 How it is written, and why (XLA:GPU on H100): the matmul is a
 ``lax.dot_general`` whose *operands are FP8 arrays* and whose result is
-float32 (``preferred_element_type``), followed by the de-scale: a multiply
-by the product of the two de-scale factors, then by 1 (by the factors one
-after the other where their product would under- or overflow float32,
-``_matmul.descale``). XLA's GEMM rewriter turns an FP8 x FP8 dot into a
-cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``) and folds a following
-multiply by a broadcast scalar into the GEMM's scale operand (openxla
+float32 (``preferred_element_type``), followed by the de-scale: two
+multiplies by scalars formed from the two de-scale factors, in an order
+that cannot under- or overflow float32 (``_matmul.descale``). XLA's GEMM
+rewriter turns an FP8 x FP8 dot into a cuBLASLt FP8 GEMM
+(``__cublas$lt$matmul$f8``) and folds a following multiply by a broadcast
+scalar into the GEMM's scale operand (openxla
 ``gemm_rewriter_fp8_test.cc``: ``UnscaledABUnscaledDF8``,
 ``ScaledABUnscaledDColMajorLhsF8``). The alternative, quantise-dequantise
 (cast to FP8, back to bf16/f32, multiply by the scale, then a *higher

@@ -23,8 +23,6 @@ __all__ = ["DimensionNumbers", "check_like_lax", "descale", "fp8_matmul",
            "like_primal", "normalize_dims"]
 
 _F32 = np.dtype(np.float32)
-_TINY = np.float32(np.finfo(np.float32).tiny)
-_MAX = np.float32(np.finfo(np.float32).max)
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
                          tuple[tuple[int, ...], tuple[int, ...]]]
@@ -113,14 +111,16 @@ def descale(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
   """``x * a * b`` (broadcasting), never under- or overflowing on the way.
 
   ``x`` is a float32 product of FP8 values, ``a`` and ``b`` the operands'
-  de-scale factors. ``x * (a * b)`` rounds once more than needed only where
-  ``a * b`` is a normal float32; where it is not, ``a`` and ``b`` lie on the
-  same side of 1 (the factors are normal numbers), so ``(x * a) * b`` moves
-  monotonically towards the result and cannot leave the range first. Tiny
-  operands (``a * b`` below 2**-126, which XLA flushes to zero) and huge
-  ones (``a * b`` past float32's maximum) then still give the result
-  wherever it is a normal float32. Elementwise, fused with the multiply it
-  replaces: no extra pass over ``x``.
+  de-scale factors (normal positive numbers, or NaN). ``x * (a * b)``
+  fails where ``a * b`` leaves float32's normal range (operands near 1e-34
+  or near its maximum), and ``(x * a) * b`` where ``x * a`` does. Split
+  each factor at 1 instead, ``a = a_hi * a_lo`` with ``a_hi = max(a, 1)``
+  and ``a_lo = min(a, 1)``, and multiply by ``a_hi * b_lo``, then by
+  ``a_lo * b_hi``: each factor pairs a number >= 1 with one <= 1, so it is
+  normal, and the intermediate result lies between ``x`` and the result
+  (in magnitude), so neither step leaves the range where the result is a
+  normal float32. No selects: two more multiplies, fused with the two the
+  plain product needs.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np
@@ -131,10 +131,9 @@ def descale(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     >>> float(x * (a * b))  # a * b = 1e-40 is flushed to zero first
     0.0
   """
-  ab = a * b
-  normal = (jnp.abs(ab) >= _TINY) & (jnp.abs(ab) <= _MAX)
-  first = jnp.where(normal, ab, a)
-  second = jnp.where(normal, np.float32(1), b)
+  one = np.float32(1)
+  first = jnp.maximum(a, one) * jnp.minimum(b, one)
+  second = jnp.minimum(a, one) * jnp.maximum(b, one)
   return x * first * second
 
 
