@@ -16,8 +16,8 @@ import pytest
 
 import jmp_lite
 from jmp_lite.low_precision import QuantizedArray, QuantizedStatesState
+from jmp_lite.low_precision._blockwise import POWERS as _POWERS
 from jmp_lite.low_precision._quantized import (
-  _POWERS,
   bytes_per_element,
   dequantize,
   quantize,

@@ -143,6 +143,127 @@ def form_of(bits: int, block_size: int, signed: bool) -> np.ndarray:
   return np.array([bits, block_size, int(signed)], np.int32)
 
 
+def _pow(x: jax.Array, power: float) -> jax.Array:
+  """``x ** power``; the maps' integer powers as products (a float power
+  is ``exp(power * log(x))``, which also keeps XLA from recomputing the
+  map in each fusion that reads it)."""
+  if power == 1.0:
+    return x
+  if power == 2.0:
+    return x * x
+  if power == 3.0:
+    return x * x * x
+  return x ** power
+
+
+def _root(x: jax.Array, power: float) -> jax.Array:
+  """``x ** (1 / power)`` for ``x`` in [0, 1]: a square or cube root for
+  the maps' integer powers."""
+  if power == 1.0:
+    return x
+  if power == 2.0:
+    return jnp.sqrt(x)
+  if power == 3.0:
+    return jnp.cbrt(x)
+  return x ** (1.0 / power)
+
+
+def outlier_and_scale(mag: jax.Array, raw: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per block (last axis): the index of the largest magnitude (NaN counts
+  as the largest, the first of equals wins, as ``argmax``), the ``raw``
+  value there, and the largest finite magnitude of the other elements (0
+  if none), in one variadic reduction."""
+  index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
+
+  def larger(a: jax.Array, i: jax.Array, b: jax.Array,
+             j: jax.Array) -> jax.Array:
+    # a wins over b: NaN above everything, then the larger, then the first.
+    a_nan, b_nan = jnp.isnan(a), jnp.isnan(b)
+    return jnp.where(a_nan | b_nan, a_nan & (~b_nan | (i < j)),
+                     (a > b) | ((a == b) & (i < j)))
+
+  def combine(left: tuple[jax.Array, ...], right: tuple[jax.Array, ...]
+              ) -> tuple[jax.Array, ...]:
+    m1, i1, r1, f1 = left
+    m2, i2, r2, f2 = right
+    first = larger(m1, i1, m2, i2)
+    lost = jnp.where(first, m2, m1)
+    rest = jnp.maximum(jnp.maximum(f1, f2),
+                       jnp.where(jnp.isfinite(lost), lost, 0.0))
+    return (jnp.where(first, m1, m2), jnp.where(first, i1, i2),
+            jnp.where(first, r1, r2), rest)
+
+  init = (np.float32(-np.inf), np.int32(2**31 - 1), np.float32(0.0),
+          np.float32(0.0))
+  _, where, outliers, rest = jax.lax.reduce(
+      (mag, index, raw, jnp.zeros_like(mag)),
+      tuple(np.asarray(v) for v in init), combine, (mag.ndim - 1,))
+  return where, outliers, rest
+
+
+def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
+                  signed: bool, power: float, scale_dtype: Any = F32,
+                  stats: Any = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The codes (as float32 integers), scales, outliers and outlier indices
+  of float32 blocks ``raw`` (blocks along the last axis); what
+  :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
+  (index, outlier, scale) per block (default: one variadic reduction); the
+  fused kernel passes its own, equal one."""
+  stats = stats or outlier_and_scale
+  blocks = raw if signed else jnp.sqrt(jnp.maximum(raw, 0.0))
+  mag = jnp.abs(blocks)
+  where, outliers, absmax = stats(mag, raw)
+  at = jnp.arange(blocks.shape[-1]) == where[..., None]
+  # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
+  scales = absmax.astype(scale_dtype)
+  if np.dtype(scale_dtype) != F32:
+    scales = jnp.where(
+        scales.astype(F32) < absmax,
+        jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
+  wide = scales.astype(F32)[..., None]
+  # Other non-finite elements saturate (NaN to zero); the outlier's own
+  # code is never read.
+  mag = jnp.where(jnp.isnan(mag) | at, 0.0, mag)
+  # Times 1 / sqrt(scale), twice: 1 / scale itself is a float32 subnormal
+  # for scales above 2**126, which XLA:CPU flushes to zero (its x / s is
+  # x * (1 / s)), and a block of 1e37s would come back as zeros.
+  root = jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
+  inv_root = 1.0 / root
+  unit = jnp.clip((mag * inv_root) * inv_root, 0.0, 1.0)
+  unit = jnp.where(jnp.isinf(mag), 1.0, unit)
+  companded = _root(unit, power)
+  if signed:
+    top = 2 ** (bits - 1) - 1
+    if noise is None:
+      magnitude = jnp.round(companded * top)
+    else:
+      # Between the two codes around |y|, up with the probability that
+      # makes the decoded value's expectation |y| (unbiased in y).
+      low = jnp.clip(jnp.floor(companded * top), 0, top - 1)
+      below = _pow(low / top, power)
+      above = _pow((low + 1) / top, power)
+      up = noise < (unit - below) / (above - below)
+      magnitude = low + up
+    k = magnitude * jnp.where(blocks < 0, -1.0, 1.0) + top
+  else:
+    levels = 2**bits
+    if noise is None:
+      k = jnp.clip(jnp.round(companded * levels - 1.0), 0, levels - 1)
+    else:
+      # Unbiased in sqrt(v), what Adam divides by (unbiased in v made the
+      # digits MLP's 4-bit steps 13% longer than float32's: E[1 / sqrt(v)]
+      # grows with v's noise), down to the lowest code, which values below
+      # it round up to.
+      low = jnp.clip(jnp.floor(companded * levels) - 1.0, 0, levels - 2)
+      below = _pow((low + 1) / levels, power)
+      above = _pow((low + 2) / levels, power)
+      up = noise < (unit - below) / (above - below)
+      k = low + up
+  return k, scales, outliers, where
+
+
 def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
              power: float, scale_dtype: Any = F32,
              noise: jax.Array | None = None) -> QuantizedArray:
@@ -176,58 +297,10 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
   x32 = x.astype(F32)
   y = x32 if signed else jnp.sqrt(jnp.maximum(x32, 0.0))
   n = y.shape[-1]
-  blocks = _blocks(y, block_size)
-  mag = jnp.abs(blocks)
-  # The outlier: NaN counts as the largest (argmax finds it first).
-  where = jnp.argmax(mag, axis=-1)
-  at = jnp.arange(blocks.shape[-1]) == where[..., None]
-  outliers = jnp.take_along_axis(_blocks(x32, block_size), where[..., None],
-                                 axis=-1)[..., 0]
-  rest = jnp.where(at | ~jnp.isfinite(mag), 0.0, mag)
-  absmax = jnp.max(rest, axis=-1)
-  # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
-  scales = absmax.astype(scale_dtype)
-  scales = jnp.where(scales.astype(F32) < absmax,
-                     jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)),
-                     scales)
-  wide = scales.astype(F32)[..., None]
-  # Other non-finite elements saturate (NaN to zero); the outlier's own
-  # code is never read.
-  mag = jnp.where(jnp.isnan(mag) | at, 0.0, mag)
-  # Times 1 / sqrt(scale), twice: 1 / scale itself is a float32 subnormal
-  # for scales above 2**126, which XLA:CPU flushes to zero (its x / s is
-  # x * (1 / s)), and a block of 1e37s would come back as zeros.
-  root = jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
-  inv_root = 1.0 / root
-  unit = jnp.clip((mag * inv_root) * inv_root, 0.0, 1.0)
-  unit = jnp.where(jnp.isinf(mag), 1.0, unit)
-  companded = unit ** (1.0 / power)
-  if signed:
-    top = 2 ** (bits - 1) - 1
-    if noise is None:
-      magnitude = jnp.round(companded * top)
-    else:
-      # Between the two codes around |y|, up with the probability that
-      # makes the decoded value's expectation |y| (unbiased in y).
-      low = jnp.clip(jnp.floor(companded * top), 0, top - 1)
-      below, above = (low / top) ** power, ((low + 1) / top) ** power
-      up = _blocks(noise, block_size) < (unit - below) / (above - below)
-      magnitude = low + up
-    k = magnitude * jnp.where(blocks < 0, -1.0, 1.0) + top
-  else:
-    levels = 2**bits
-    if noise is None:
-      k = jnp.clip(jnp.round(companded * levels - 1.0), 0, levels - 1)
-    else:
-      # Unbiased in sqrt(v), what Adam divides by (unbiased in v made the
-      # digits MLP's 4-bit steps 13% longer than float32's: E[1 / sqrt(v)]
-      # grows with v's noise), down to the lowest code, which values below
-      # it round up to.
-      low = jnp.clip(jnp.floor(companded * levels) - 1.0, 0, levels - 2)
-      below = ((low + 1) / levels) ** power
-      above = ((low + 2) / levels) ** power
-      up = _blocks(noise, block_size) < (unit - below) / (above - below)
-      k = low + up
+  k, scales, outliers, where = encode_blocks(
+      _blocks(x32, block_size), None if noise is None else _blocks(
+          noise, block_size), bits=bits, signed=signed, power=power,
+      scale_dtype=scale_dtype)
   codes = _unblock(k.astype(jnp.uint8), y.shape, block_size)
   if bits == 4:
     if n % 2:
@@ -258,6 +331,40 @@ def check_form(q: QuantizedArray) -> jax.Array | None:
           f" bits={bits}, block_size={block_size}), step once, then switch")
     return None
   return (q.form[0] == q.bits) & (q.form[1] == q.block_size)
+
+
+def decode_blocks(k: jax.Array, scale: jax.Array, *, bits: int,
+                  signed: bool, power: float, form_signed: Any = None,
+                  outliers: Any = None, where: Any = None,
+                  ok: Any = None) -> jax.Array:
+  """Float32 blocks from codes ``k`` (float32 integers, blocks along the
+  last axis) and ``scale`` (one per block, broadcastable): the map
+  ``form_signed`` (a traced bool; ``None``: ``signed``) says, each block's
+  outlier put back at ``where``, all NaN unless ``ok``."""
+
+  def signed_map() -> jax.Array:
+    top = 2 ** (bits - 1) - 1
+    signed_k = k - top
+    p = power if signed else POWERS[(bits, True)]
+    return jnp.sign(signed_k) * _pow(jnp.abs(signed_k) / top, p) * scale
+
+  def unsigned_map() -> jax.Array:
+    p = POWERS[(bits, False)] if signed else power
+    root = _pow((k + 1.0) / 2**bits, p) * scale
+    return root * root
+
+  if form_signed is None:
+    y = signed_map() if signed else unsigned_map()
+  else:
+    # Read with the map the codes were written with (a restore into another
+    # ``unsigned=`` converts on the next step).
+    y = jnp.where(form_signed, signed_map(), unsigned_map())
+  if outliers is not None:
+    index = jax.lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
+    y = jnp.where(index == where[..., None], outliers[..., None], y)
+  if ok is not None:
+    y = jnp.where(ok, y, jnp.nan)
+  return y
 
 
 def dequantize(q: QuantizedArray) -> jax.Array:
@@ -291,31 +398,12 @@ def dequantize(q: QuantizedArray) -> jax.Array:
     codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
         *codes.shape[:-1], -1)[..., :n]
   k = _blocks(codes.astype(F32), q.block_size)
-  scale = q.scales.astype(F32)[..., None]
-
-  def signed_map() -> jax.Array:
-    top = 2 ** (q.bits - 1) - 1
-    signed_k = k - top
-    power = q.power if q.signed else POWERS[(q.bits, True)]
-    return jnp.sign(signed_k) * (jnp.abs(signed_k) / top) ** power * scale
-
-  def unsigned_map() -> jax.Array:
-    power = POWERS[(q.bits, False)] if q.signed else q.power
-    root = ((k + 1.0) / 2**q.bits) ** power * scale
-    return root * root
-
-  if q.form is None:
-    y = signed_map() if q.signed else unsigned_map()
-  else:
-    # Read with the map the codes were written with (a restore into another
-    # ``unsigned=`` converts on the next step).
-    y = jnp.where(q.form[2] == 1, signed_map(), unsigned_map())
-  if q.outliers is not None:
-    at = jnp.arange(k.shape[-1]) == q.where.astype(jnp.int32)[..., None]
-    y = jnp.where(at, q.outliers.astype(F32)[..., None], y)
   ok = check_form(q)
-  if ok is not None:
-    y = jnp.where(ok, y, jnp.nan)
+  y = decode_blocks(
+      k, q.scales.astype(F32)[..., None], bits=q.bits, signed=q.signed,
+      power=q.power, form_signed=None if q.form is None else q.form[2] == 1,
+      outliers=None if q.outliers is None else q.outliers.astype(F32),
+      where=None if q.where is None else q.where.astype(jnp.int32), ok=ok)
   return _unblock(y, shape, q.block_size).astype(q.dtype)
 
 

@@ -1,0 +1,185 @@
+"""Cost of 8/4-bit optimizer states against the bfloat16 step they replace.
+
+For bfloat16 params of a Flax MLP (default 4 x 1024, batch 256), compares
+``stochastic_rounding(quantized_states(adam, bits=8 | 4))`` with
+``stochastic_rounding(adam)``, and the same optimizers with a
+``loss_scaled`` guard inside stepped by ``jmp_lite.update_and_apply``:
+
+* bytes accessed and flops per parameter of the jitted optimizer step
+  (update + apply, params and state donated), from XLA's cost model
+  (``compiled.cost_analysis()``), and the fusions the compiled step holds;
+* the wall time of the full donated train step (forward, backward, update),
+  timed interleaved with the baseline's.
+
+Each row is printed as it finishes, as ratios to its baseline measured in the
+same run; ``--budget SECONDS`` skips the rows that would start after it.
+``--fused`` adds the rows of ``quantized_adam`` (the fused Adam kernel,
+:mod:`jmp_lite.low_precision`), for the GPU.
+
+Run: ``python benchmarks/quantized_step_cost.py`` (``--help`` for sizes).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_lite
+from _common import interleaved_seconds, mlp, size_parser
+
+SCALE = 2.0**15
+
+
+def cost(compiled: Any) -> tuple[float, float]:
+  """(bytes accessed, flops) from XLA's cost model."""
+  c = compiled.cost_analysis()
+  if isinstance(c, list):  # Older JAX returned one dict per device.
+    c = c[0]
+  return float(c["bytes accessed"]), float(c.get("flops", 0.0))
+
+
+def fusions(hlo: str) -> int:
+  """Fusion kernels the entry computation launches (about one pass each)."""
+  entry = hlo[hlo.index("\nENTRY"):]
+  entry = entry[:entry.find("\n}") + 1]
+  return len(re.findall(r"= \S+ fusion\(", entry))
+
+
+def variants(lr: float, fused: bool) -> dict[str, tuple[str, bool, Callable]]:
+  """name -> (baseline name, through update_and_apply, optimizer factory)."""
+  sr, qs = jmp_lite.stochastic_rounding, jmp_lite.quantized_states
+  adam = lambda: optax.adam(lr)
+  # The baseline's moments are bfloat16 (pure bfloat16 Adam): deliberate.
+  scaled = lambda inner, half=False: jmp_lite.loss_scaled(
+      inner, jmp_lite.DynamicLossScale(SCALE), allow_half_state=half)
+  out = {
+      "SR(adam)": ("SR(adam)", False, lambda: sr(adam())),
+      "SR(quantized_states(adam, 8))": (
+          "SR(adam)", False, lambda: sr(qs(adam(), bits=8))),
+      "SR(quantized_states(adam, 4))": (
+          "SR(adam)", False, lambda: sr(qs(adam(), bits=4))),
+      "UAA SR(loss_scaled(adam))": (
+          "UAA SR(loss_scaled(adam))", True, lambda: sr(scaled(adam(), True))),
+      "UAA SR(quantized_states(loss_scaled(adam), 8))": (
+          "UAA SR(loss_scaled(adam))", True,
+          lambda: sr(qs(scaled(adam()), bits=8))),
+      "UAA SR(quantized_states(loss_scaled(adam), 4))": (
+          "UAA SR(loss_scaled(adam))", True,
+          lambda: sr(qs(scaled(adam()), bits=4))),
+  }
+  if fused:
+    qa = jmp_lite.low_precision.quantized_adam
+    out["SR(quantized_adam(8))"] = (
+        "SR(adam)", False, lambda: sr(qa(lr, bits=8)))
+    out["SR(quantized_adam(4))"] = (
+        "SR(adam)", False, lambda: sr(qa(lr, bits=4)))
+  return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+  parser = size_parser((__doc__ or "").splitlines()[0], width=1024, depth=4,
+                       batch=256, steps=5, rounds=7)
+  parser.add_argument("--budget", type=float, default=float("inf"),
+                      help="seconds; rows that would start later are skipped")
+  parser.add_argument("--fused", action="store_true",
+                      help="also the fused quantized_adam rows (GPU)")
+  parser.add_argument("--only", default="",
+                      help="semicolon-separated substrings of the rows to run")
+  parser.add_argument("--dump", type=pathlib.Path, default=None,
+                      help="write each row's compiled optimizer step here")
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((args.batch, args.width)), jnp.float32)
+  model = mlp(args.width, args.depth, jnp.bfloat16)
+  params0 = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                         model.init(jax.random.key(0), x))
+  n_params = sum(p.size for p in jax.tree.leaves(params0))
+  device = jax.devices()[0]
+  print(f"MLP {args.depth}x{args.width} ({n_params / 1e6:.2f}M bf16 params),"
+        f" batch {args.batch}, on {device.platform} ({device.device_kind});"
+        f" {args.rounds} interleaved rounds of {args.steps} steps; ratios to"
+        " the row's baseline in this run.\n")
+  print("| optimizer | opt step bytes/param | ratio | opt step flops/param |"
+        " ratio | fusions (opt step) | full step ms | ratio |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+
+  built: dict[str, dict[str, Any]] = {}
+
+  def build(name: str, uaa: bool, make: Callable) -> dict[str, Any]:
+    opt = make()
+    scale = SCALE if uaa else 1.0
+
+    def apply(state, grads):
+      params, opt_state = state
+      if uaa:
+        return jmp_lite.update_and_apply(opt, grads, opt_state, params)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    def loss(p, x, y):
+      return jnp.mean((model.apply(p, x) - y) ** 2) * scale
+
+    def step(state, x, y):
+      return apply(state, jax.grad(loss)(state[0], x, y))
+
+    params = jax.tree.map(lambda p: p.copy(), params0)
+    state = (params, opt.init(params))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3 * scale), params)
+    compiled = jax.jit(apply, donate_argnums=0).lower(state, grads).compile()
+    hlo = compiled.as_text()
+    if args.dump is not None:
+      args.dump.mkdir(parents=True, exist_ok=True)
+      safe = "".join(c if c.isalnum() else "_" for c in name)
+      (args.dump / f"qcost_{safe}.hlo.txt").write_text(hlo)
+    nbytes, flops = cost(compiled)
+    full = jax.jit(step, donate_argnums=0)
+    state = jax.block_until_ready(full(full(state, x, y), x, y))
+    return {"bytes": nbytes / n_params, "flops": flops / n_params,
+            "fusions": fusions(hlo), "step": lambda s: full(s, x, y),
+            "state": state}
+
+  rows = []
+  for name, (base, uaa, make) in variants(1e-4, args.fused).items():
+    if args.only and name != base and not any(
+        s in name for s in args.only.split(";")):
+      continue
+    if time.perf_counter() - start > args.budget:
+      print(f"| {name} | skipped: budget of {args.budget:.0f} s spent |",
+            flush=True)
+      continue
+    built[name] = build(name, uaa, make)
+    b, r = built[base], built[name]
+    steps = {base: b["step"]} if name == base else {
+        base: b["step"], name: r["step"]}
+    states = {k: built[k]["state"] for k in steps}
+    times = interleaved_seconds(steps, states, n_steps=args.steps,
+                                rounds=args.rounds)
+    for k in steps:
+      built[k]["state"] = states[k]
+    t_base = statistics.median(times[base])
+    t = statistics.median(times[name])
+    row = {"optimizer": name, "bytes": r["bytes"],
+           "bytes_ratio": r["bytes"] / b["bytes"], "flops": r["flops"],
+           "flops_ratio": r["flops"] / max(b["flops"], 1e-30),
+           "fusions": r["fusions"], "ms": t * 1e3, "time_ratio": t / t_base}
+    rows.append(row)
+    print(f"| {name} | {row['bytes']:.1f} | {row['bytes_ratio']:.2f} |"
+          f" {row['flops']:.1f} | {row['flops_ratio']:.2f} |"
+          f" {row['fusions']} | {row['ms']:.2f} | {row['time_ratio']:.2f} |",
+          flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
