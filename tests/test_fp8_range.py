@@ -115,3 +115,30 @@ def test_mx_scales_are_never_float32_subnormals():
   assert np.all(np.asarray(inv) >= np.finfo(np.float32).tiny)
   back = dequantize_blocks(*quantize_blocks(x, Layout("mx", E4M3, 0, 32)), 32)
   np.testing.assert_allclose(back[0, 0], 2e-38, rtol=0.07)
+
+
+@pytest.mark.parametrize("shapes", [((0, 4), (4, 3)), ((2, 0), (0, 3)),
+                                    ((2, 4), (4, 0)), ((0, 0), (0, 0))],
+                         ids=["no-rows", "no-contraction", "no-columns",
+                              "nothing"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_empty_dimensions_give_what_lax_gives(name, shapes):
+  # A zero-size dimension anywhere: lax.dot_general's zeros (an empty
+  # contraction sums nothing), and zero gradients of the operands' shapes.
+  recipe = RECIPES[name]
+  dot = fp8.dot_general(
+      recipe, recipe.init() if isinstance(recipe, fp8.DelayedScaling)
+      else None)
+  x, w = jnp.ones(shapes[0]), jnp.ones(shapes[1])
+
+  @jax.jit
+  def run(x, w):
+    loss = lambda x, w: jnp.sum(dot(x, w, MATMUL))
+    return dot(x, w, MATMUL), jax.grad(loss, (0, 1))(x, w)
+
+  y, (gx, gw) = run(x, w)
+  want = jax.lax.dot_general(x, w, MATMUL)
+  assert y.shape == want.shape and y.dtype == want.dtype
+  np.testing.assert_array_equal(y, want)
+  assert gx.shape == x.shape and gw.shape == w.shape
+  assert not np.asarray(gx).any() and not np.asarray(gw).any()

@@ -208,7 +208,11 @@ def quantize_blocks(x: jax.Array, layout: Layout
   else:
     bs = layout.bs
     nb = max(math.ceil(c / bs), 1)
-  blocks = _pad_to(x, 2, bs).reshape(b, p, nb, bs)
+  # Zero-padded to whole blocks, and to one block where C is 0 (a matmul
+  # over an empty contracting dimension: zeros, as lax.dot_general gives).
+  if nb * bs != c:
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, nb * bs - c)])
+  blocks = x.reshape(b, p, nb, bs)
   absx = jnp.abs(blocks).astype(_F32)
   if layout.kind == "square":
     tiles = _pad_to(absx, 1, bs)
