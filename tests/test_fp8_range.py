@@ -142,3 +142,21 @@ def test_empty_dimensions_give_what_lax_gives(name, shapes):
   np.testing.assert_array_equal(y, want)
   assert gx.shape == x.shape and gw.shape == w.shape
   assert not np.asarray(gx).any() and not np.asarray(gw).any()
+
+
+@pytest.mark.parametrize("name", ["tensor", "row", "block", "mx"])
+def test_empty_leaves_and_shards(name):
+  recipe = RECIPES[name]
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("d",))
+  spec = jax.sharding.PartitionSpec("d")
+  gather = lambda axis: jax.jit(jax.shard_map(
+      lambda w: fp8.all_gather(w, "d", recipe, axis), mesh=mesh,
+      in_specs=spec, out_specs=spec))
+  # An empty shard (another axis empty) gathers to an empty tensor...
+  assert gather(0)(jnp.ones((32, 0))).shape == (32, 0)
+  # ...an empty gathered axis is refused by name (XLA cannot gather it).
+  with pytest.raises(ValueError, match="axis 0 of the shard is empty"):
+    gather(0)(jnp.ones((0, 32)))
+  for leaf in (jnp.ones((0, 32)), jnp.ones((4, 0))):
+    health = fp8.quantization_health(leaf, recipe=recipe)
+    assert float(health.flushed) == 0.0 and float(health.saturated) == 0.0

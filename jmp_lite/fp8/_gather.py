@@ -136,8 +136,8 @@ def all_gather(x: jax.typing.ArrayLike, axis_name: Any, recipe: Recipe,
   Raises:
     TypeError: for a non-recipe, non-floating ``x``, an ``axis_name`` that
       is no str or tuple of str, or a non-integer ``axis``.
-    ValueError: for an ``axis`` out of range, or a shard size the blocks
-      do not divide where they must.
+    ValueError: for an ``axis`` out of range or empty, or a shard size the
+      blocks do not divide where they must.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jmp_lite
@@ -178,4 +178,10 @@ def all_gather(x: jax.typing.ArrayLike, axis_name: Any, recipe: Recipe,
           f"fp8.all_gather: the shard's size along axis {axis} ({along}) is"
           f" not a multiple of the block ({layout.bs}), so its blocks would"
           " not be the global tensor's")
+  if x.shape[axis] == 0:
+    raise ValueError(f"fp8.all_gather: axis {axis} of the shard is empty"
+                     f" (shape {x.shape}); XLA cannot gather along it")
+  if x.size == 0:
+    # Nothing to quantise, and no block to scale: moves no bytes either.
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
   return _fp8_gather(x, axis_name, recipe, axis)

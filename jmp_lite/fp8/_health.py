@@ -136,7 +136,7 @@ def _blocked(x: jax.Array, layout: Layout,
                      f" {x.shape}")
   x = jnp.moveaxis(x, axis, -1)
   c = x.shape[-1]
-  x = x.reshape(1, -1, c)
+  x = x.reshape(1, math.prod(x.shape[:-1]), c)   # -1 fails for size 0
   q, inv = quantize_blocks(x, layout)
   b, p, nb, bs = q.shape
   blocks = jnp.pad(x, ((0, 0), (0, 0), (0, nb * bs - c))).reshape(q.shape)
