@@ -189,7 +189,10 @@ def check_numeric_leaf(x: Any, who: str) -> None:
   if not isinstance(x, (np.ndarray, np.generic, jax.Array)) or dtype is None:
     return
   if (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_
-      or dtype == jax.dtypes.float0):
+      or dtype == jax.dtypes.float0
+      # JAX's own extended dtypes (typed PRNG keys, carried in models'
+      # state) hold no floating values: nothing to check or scale.
+      or jnp.issubdtype(dtype, jax.dtypes.extended)):
     return
   raise TypeError(
       f"{who} expects numeric arrays, got an array of dtype {dtype} (shape"

@@ -151,3 +151,12 @@ def test_arrays_of_no_numeric_dtype_are_refused(leaf):
   if leaf.dtype == object:
     assert bool(jmp_lite.all_finite(np.asarray(leaf, np.float32))) == bool(
         np.isfinite(np.asarray(leaf, np.float64)).all())
+
+
+def test_typed_prng_keys_are_not_refused():
+  """nnx models carry typed keys in their state; all_finite skips them
+  (they hold no floating values) while it refuses NumPy object arrays."""
+  tree = {"key": jax.random.key(0), "w": jnp.ones(2)}
+  assert bool(jmp_lite.all_finite(tree))
+  with pytest.raises(TypeError, match="expects numeric arrays"):
+    jmp_lite.all_finite({"o": np.array([np.nan], dtype=object)})
