@@ -61,7 +61,7 @@ PAGE_CHECKS: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 # Pages whose run takes over 10 s on a 2-core machine (the others take 1-7 s
 # each, measured alone).
-SLOW_PAGES = {"fp8"}
+SLOW_PAGES = {"fp8", "fp4"}
 
 
 def _python_blocks(path: Path) -> list[str]:
