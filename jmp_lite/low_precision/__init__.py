@@ -15,7 +15,8 @@ bytes per parameter. These transformations fix it at 6-8:
   the dtype of ``nu`` (optax issue 1552).
 * :func:`quantized_states` stores it in 8 or 4 bits per element, one scale
   per block: with stochastic rounding, bfloat16 params and Adam's state
-  together take about 4 bytes per parameter.
+  together take about 4 bytes per parameter. :func:`quantized_adam` is
+  Adam with that state, one fused Pallas kernel per param on GPUs and TPUs.
 
 Together (``kahan_summation(state_dtypes(adam, "bf16"))``) they are the
 ``O3`` preset's default recipe; see ``docs/low_precision.md``.
@@ -27,6 +28,7 @@ kernel: no random array is materialised and no key is passed per call.
 
 from __future__ import annotations
 
+from jmp_lite.low_precision._fused import quantized_adam
 from jmp_lite.low_precision._kahan import kahan_summation, KahanState
 from jmp_lite.low_precision._quantized import (
   quantized_states,
@@ -46,7 +48,8 @@ from jmp_lite.low_precision._stochastic_rounding import (
 __all__ = ["KahanState", "QuantizedArray", "QuantizedConfig",
            "QuantizedStatesState",
            "StateDtypesState", "StochasticRoundingState", "kahan_summation",
-           "quantized_states", "state_dtypes", "stochastic_rounding"]
+           "quantized_adam", "quantized_states", "state_dtypes",
+           "stochastic_rounding"]
 
 # Everything public names this package as its home: reprs, the API docs and
 # pickles (which find a class by module and name, as pickles made before the

@@ -1,0 +1,350 @@
+"""``quantized_adam``: Adam with 8/4-bit moments, one fused pass per tensor.
+
+The state is :func:`quantized_states` ``(optax.adam(...))``'s, leaf for leaf
+(checkpoints move between the two). On a GPU or TPU the step runs one Pallas
+kernel per param: per block it decodes ``mu`` and ``nu``, applies Adam's
+moment update in float32, takes each new moment's outlier and scale from the
+new values, draws the stochastic codes' bits and writes the codes, in one
+pass over the state with nothing materialised in between. Elsewhere (the
+CPU), and for states it cannot take, it runs :func:`quantized_states`' XLA
+path; both write the same codes, scales and outliers, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import pallas as pl
+
+from jmp_lite import contract
+from jmp_lite._checks import check_own_state
+from jmp_lite.low_precision._blockwise import (
+  _blocks,
+  _unblock,
+  check_form,
+  decode_blocks,
+  encode_blocks,
+  form_of,
+  grid,
+  layout,
+  QuantizedArray,
+  where_dtype,
+)
+from jmp_lite.low_precision._common import check_made_by, F32
+from jmp_lite.low_precision._quantized import (
+  quantized_states,
+  QuantizedStatesState,
+)
+from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
+
+_KERNELS = ("auto", "pallas", "interpret", "xla")
+# Blocks per kernel program: 8 rows of a block each (a (8, 256) tile).
+_TILE = 8
+
+
+def _stats(mag: jax.Array, raw: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``outlier_and_scale`` as plain max/min reductions (what kernels lower):
+  maxima are exact, so both give the same index, outlier and scale."""
+  index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
+  nan = jnp.isnan(mag)
+  any_nan = jnp.any(nan, axis=-1, keepdims=True)
+  top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
+  hit = jnp.where(any_nan, nan, mag == top)
+  where = jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1)
+  at = index == where[..., None]
+  outlier = jnp.max(jnp.where(at, raw, -jnp.inf), axis=-1)
+  rest = jnp.max(jnp.where(at | ~jnp.isfinite(mag), 0.0, mag), axis=-1)
+  return where, outlier, rest
+
+
+def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
+            no_ref, nw_ref, u_out, mc_out, ms_out, mo_out, mw_out, nc_out,
+            ns_out, no_out, nw_out, *, adam: optax.GradientTransformation,
+            bits: int, powers: tuple[float, float], scale_dtype: Any,
+            stochastic: bool, dims: tuple[int, int, int, int, int]) -> None:
+  """One tile of ``_TILE`` blocks: decode, Adam in float32, encode."""
+  rows, n, r, c, col_blocks = dims
+  meta = meta_ref[...]
+  g = g_ref[...]
+  tile, size = g.shape
+  # Each element's place in the leaf: padding is zeroed, as the XLA path
+  # pads the new moments with zeros, and the random bits hash the flat index.
+  block = (pl.program_id(0) * tile
+           + jax.lax.broadcasted_iota(jnp.int32, g.shape, 0))
+  e = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
+  row = (block // col_blocks) * r + e // c
+  col = (block % col_blocks) * c + e % c
+  valid = (row < rows) & (col < n)
+  flat = row.astype(jnp.uint32) * np.uint32(n % 2**32) + col.astype(
+      jnp.uint32)
+
+  def read(c_ref, s_ref, o_ref, w_ref, signed, power, form_signed, ok):
+    return decode_blocks(
+        c_ref[...].astype(F32), s_ref[...].astype(F32), bits=bits,
+        signed=signed, power=power, form_signed=form_signed,
+        outliers=o_ref[...][:, 0], where=w_ref[...][:, 0], ok=ok)
+
+  ok = meta[7].astype(jnp.int32)
+  mu = read(mc_ref, ms_ref, mo_ref, mw_ref, True, powers[0], meta[5] == 1,
+            (ok & 1) == 1)
+  nu = read(nc_ref, ns_ref, no_ref, nw_ref, False, powers[1], meta[6] == 1,
+            (ok & 2) == 2)
+  count = meta[0].astype(jnp.int32)
+  updates, chained = adam.update(
+      g, (optax.ScaleByAdamState(count=count, mu=mu, nu=nu),
+          optax.EmptyState()))
+  adam_state: Any = chained[0]  # type: ignore[index]
+
+  def write(new, k1, k2, signed, power, c_out, s_out, o_out, w_out):
+    noise = None
+    if stochastic:
+      bits32 = _mix(_mix(flat ^ k1) + k2)
+      noise = (bits32 >> 8).astype(F32) * 2.0**-24
+    k, scales, outliers, where = encode_blocks(
+        jnp.where(valid, new, 0.0), noise, bits=bits, signed=signed,
+        power=power, scale_dtype=scale_dtype, stats=_stats)
+    c_out[...] = k.astype(jnp.uint8)
+    s_out[...] = scales[:, None]
+    o_out[...] = outliers[:, None]
+    w_out[...] = where[:, None]
+
+  u_out[...] = updates
+  write(adam_state.mu, meta[1], meta[2], True, powers[0], mc_out, ms_out,
+        mo_out, mw_out)
+  write(adam_state.nu, meta[3], meta[4], False, powers[1], nc_out, ns_out,
+        no_out, nw_out)
+
+
+def _codes_blocks(q: QuantizedArray, shape: tuple[int, ...]) -> jax.Array:
+  codes = q.codes
+  if q.bits == 4:
+    codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+        *codes.shape[:-1], -1)[..., :shape[-1]]
+  return _blocks(codes, q.block_size)
+
+
+def _leaf_keys(key: jax.Array, leaf: int) -> tuple[jax.Array, jax.Array]:
+  # What _rounding.random_bits derives per leaf, outside the kernel.
+  k1 = _mix(key + np.uint32((leaf * _GOLDEN) % 2**32))
+  return k1, _mix(k1 ^ _C1)
+
+
+def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
+                count: jax.Array, key: jax.Array, leaves: tuple[int, int], *,
+                adam: optax.GradientTransformation, stochastic: bool,
+                interpret: bool) -> tuple[jax.Array, QuantizedArray,
+                                          QuantizedArray]:
+  """One param's Adam step through the kernel."""
+  shape = (*mu.codes.shape[:-1], mu.shape[-1])
+  bs = mu.block_size
+  rows, r, c = layout(shape, bs)
+  groups, col_blocks = grid(shape, bs)
+  size, nb = r * c, groups * col_blocks
+  padded = -(-nb // _TILE) * _TILE
+
+  def flat_blocks(x: jax.Array) -> jax.Array:
+    x = x.reshape(nb, -1)
+    return jnp.pad(x, [(0, padded - nb), (0, 0)])
+
+  def side(q: QuantizedArray) -> list[jax.Array]:
+    return [flat_blocks(_codes_blocks(q, shape)), flat_blocks(q.scales),
+            flat_blocks(q.outliers.astype(F32)),
+            flat_blocks(q.where.astype(jnp.int32))]
+
+  oks = [check_form(q) for q in (mu, nu)]
+  ok = sum(jnp.asarray(True if o is None else o).astype(jnp.uint32) << i
+           for i, o in enumerate(oks))
+  (k1m, k2m), (k1n, k2n) = _leaf_keys(key, leaves[0]), _leaf_keys(
+      key, leaves[1])
+  meta = jnp.stack([
+      jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
+      mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
+  tile_spec = pl.BlockSpec((_TILE, size), lambda i: (i, 0))
+  one_spec = pl.BlockSpec((_TILE, 1), lambda i: (i, 0))
+  meta_spec = pl.BlockSpec((8,), lambda i: (0,))
+  quad = [tile_spec, one_spec, one_spec, one_spec]
+
+  def quad_shapes(q: QuantizedArray) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct((padded, size), jnp.uint8),
+            jax.ShapeDtypeStruct((padded, 1), q.scales.dtype),
+            jax.ShapeDtypeStruct((padded, 1), F32),
+            jax.ShapeDtypeStruct((padded, 1), jnp.int32)]
+
+  kernel = functools.partial(
+      _kernel, adam=adam, bits=mu.bits, powers=(mu.power, nu.power),
+      scale_dtype=mu.scales.dtype, stochastic=stochastic,
+      dims=(rows, shape[-1], r, c, col_blocks))
+  out = pl.pallas_call(
+      kernel, grid=(padded // _TILE,),
+      in_specs=[meta_spec, tile_spec, *quad, *quad],
+      out_specs=[tile_spec, *quad, *quad],
+      out_shape=[jax.ShapeDtypeStruct((padded, size), F32),
+                 *quad_shapes(mu), *quad_shapes(nu)],
+      interpret=interpret,
+  )(meta, flat_blocks(_blocks(g.astype(F32), bs)), *side(mu), *side(nu))
+
+  def unflat(x: jax.Array) -> jax.Array:
+    return x[:nb].reshape(groups, col_blocks, -1)
+
+  def back(q: QuantizedArray, parts: list[jax.Array], signed: bool
+           ) -> QuantizedArray:
+    codes = _unblock(unflat(parts[0]), shape, bs)
+    if q.bits == 4:
+      if shape[-1] % 2:
+        codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
+      codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return QuantizedArray(
+        codes=codes, scales=unflat(parts[1])[..., 0],
+        outliers=unflat(parts[2])[..., 0],
+        where=unflat(parts[3])[..., 0].astype(where_dtype(bs)),
+        form=jnp.asarray(form_of(q.bits, bs, signed)), shape=q.shape,
+        dtype=q.dtype, bits=q.bits, block_size=bs, signed=signed,
+        power=q.power)
+
+  updates = _unblock(unflat(out[0]), shape, bs)
+  return updates, back(mu, out[1:5], True), back(nu, out[5:9], False)
+
+
+def quantized_adam(
+    learning_rate: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    bits: int = 8,
+    block_size: int = 256,
+    scale_dtype: Any = "float32",
+    rounding: str = "stochastic",
+    seed: int = 0,
+    kernel: str = "auto",
+) -> optax.GradientTransformationExtraArgs:
+  """Adam with block-quantized moments, as one fused kernel per param.
+
+  The same optimizer as ``quantized_states(optax.adam(learning_rate, b1, b2,
+  eps), bits, block_size, ...)``, with the same state (a checkpoint moves
+  between them), whose step on a GPU or TPU is one Pallas kernel per param:
+  each block's moments are decoded, updated in float32 and re-encoded, the
+  block's outlier and scale taken from the new values, in one pass.
+
+  ``kernel`` picks the path: ``"auto"`` (the kernel on GPU and TPU backends,
+  the XLA path of :func:`quantized_states` elsewhere), ``"pallas"``,
+  ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
+  tests) or ``"xla"``. Both paths write the same codes, scales and
+  outliers. The kernel hashes each element's index in the whole array for
+  its random bits; under ``jax.shard_map`` use :func:`quantized_states`
+  with ``specs=``.
+
+  Put :func:`stochastic_rounding` or :func:`kahan_summation` outside for
+  half params, and a :func:`~jmp_lite.loss_scaled` guard outside too (a
+  skipped step leaves the state bit-identical).
+
+  Args:
+    learning_rate: a float (schedules: use :func:`quantized_states`).
+    b1: Adam's first moment decay.
+    b2: Adam's second moment decay.
+    eps: Adam's epsilon.
+    bits: 8 or 4.
+    block_size: elements per block.
+    scale_dtype: ``"float32"`` or ``"bfloat16"``.
+    rounding: ``"stochastic"`` or ``"nearest"``.
+    seed: the stochastic codes' seed.
+    kernel: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`QuantizedStatesState`.
+
+  Raises:
+    TypeError: for a ``learning_rate`` that is not a number.
+    ValueError: for an unknown ``kernel``, and whatever
+      :func:`quantized_states` refuses.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> from jmp_lite.low_precision import quantized_adam
+    >>> opt = quantized_adam(1e-3, kernel="interpret")
+    >>> params = {"w": jnp.ones((8, 256))}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(params, state, params)
+    >>> state.inner_state[0].mu["w"].codes.dtype
+    dtype('uint8')
+  """
+  if isinstance(learning_rate, bool) or not isinstance(
+      learning_rate, (int, float, np.floating, np.integer)):
+    raise TypeError(
+        "quantized_adam: learning_rate must be a float (for a schedule use"
+        " quantized_states(optax.adam(schedule))), got"
+        f" {type(learning_rate).__name__}: {learning_rate!r}")
+  if kernel not in _KERNELS:
+    raise ValueError(
+        f"quantized_adam: kernel must be one of {_KERNELS}, got {kernel!r}")
+  adam = optax.adam(float(learning_rate), b1, b2, eps)
+  base = quantized_states(adam, bits, block_size, scale_dtype=scale_dtype,
+                          rounding=rounding, seed=seed)
+  declared = contract.contract_of(base)
+  assert isinstance(declared, contract.Forwarding)
+
+  def use_kernel() -> bool:
+    if kernel == "auto":
+      return jax.default_backend() in ("gpu", "tpu")
+    return kernel in ("pallas", "interpret")
+
+  def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
+            **extra: Any) -> tuple[Any, QuantizedStatesState]:
+    check_own_state(state, QuantizedStatesState, "quantized_adam")
+    # The configuration base's states record (no params needed for it).
+    check_made_by(state.config, jax.eval_shape(base.init, {}).config,
+                  "quantized_adam")
+    adam_state, rest = state.inner_state
+    flat = jax.tree.leaves(state.inner_state,
+                           is_leaf=lambda x: isinstance(x, QuantizedArray))
+    index = {id(x): i for i, x in enumerate(flat)}
+    g_leaves, treedef = jax.tree.flatten(updates)
+    mus = treedef.flatten_up_to(adam_state.mu)
+    nus = treedef.flatten_up_to(adam_state.nu)
+    count = optax.safe_increment(adam_state.count)
+    key = step_key(state.seed, state.count)
+    out_u, out_mu, out_nu = [], [], []
+    for g, mu, nu in zip(g_leaves, mus, nus, strict=True):
+      if isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
+        u, mu, nu = _fused_leaf(
+            g, mu, nu, adam_state.count, key, (index[id(mu)], index[id(nu)]),
+            adam=adam, stochastic=rounding == "stochastic",
+            interpret=kernel == "interpret")
+      else:   # Kept as inner made it (a scalar param): plain Adam.
+        u, chained = adam.update(
+            g.astype(F32), (optax.ScaleByAdamState(
+                count=adam_state.count, mu=mu, nu=nu),  # type: ignore[arg-type]
+            optax.EmptyState()))
+        s: Any = chained[0]  # type: ignore[index]
+        mu, nu = s.mu, s.nu
+      out_u.append(u)
+      out_mu.append(mu)
+      out_nu.append(nu)
+    new_adam = optax.ScaleByAdamState(
+        count=count, mu=treedef.unflatten(out_mu),
+        nu=treedef.unflatten(out_nu))
+    return treedef.unflatten(out_u), QuantizedStatesState(
+        seed=state.seed, count=state.count + jnp.uint32(1),
+        inner_state=(new_adam, rest), config=state.config)
+
+  def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
+    # Adam's own update runs fused; another (a guard's rebinding) the XLA
+    # path with it.
+    if inner_update is adam.update and use_kernel():
+      return fused
+    return declared.rebind(inner_update)
+
+  return optax.GradientTransformationExtraArgs(
+      base.init, contract.declare(rebind(adam.update), contract.Forwarding(
+          inner=adam, rebind=rebind, inner_state=declared.inner_state,
+          half_by_design=declared.half_by_design)))
+
+
+__all__ = ["quantized_adam"]

@@ -1,0 +1,137 @@
+"""quantized_adam: the fused kernel (run in Pallas' interpreter on the CPU)
+writes what quantized_states(optax.adam)'s XLA path writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite.low_precision import quantized_adam, QuantizedArray
+
+# At XLA:CPU's default optimisation level, as users compile: at the suite's
+# level 0, LLVM emits float32 sqrt differently in the interpreter's loop and
+# in the whole-array program, an ulp apart in a few of nu's scales.
+pytestmark = pytest.mark.usefixtures("optimized_codegen")
+
+_SHAPES = {"w": (16, 256), "b": (70,), "c": (3, 5, 40), "s": ()}
+
+
+def _params() -> dict[str, jax.Array]:
+  rng = np.random.default_rng(0)
+  return {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+          for k, s in _SHAPES.items()}
+
+
+def _grads(step: int) -> dict[str, jax.Array]:
+  # Magnitudes that change by 100x over the steps, and a spike.
+  rng = np.random.default_rng(step + 1)
+  g = {k: jnp.asarray(rng.standard_normal(s) * 10.0 ** (step - 1),
+                      jnp.float32) for k, s in _SHAPES.items()}
+  g["w"] = g["w"].at[3, 7].set(1e20)
+  return g
+
+
+def _run(kernel: str, steps: int = 3, **kwargs: Any) -> tuple[list[Any], Any]:
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel, **kwargs)
+  params = _params()
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  updates = []
+  for i in range(steps):
+    u, state = update(_grads(i), state, params)
+    updates.append(u)
+  return updates, state
+
+
+@pytest.mark.parametrize("bits,rounding,scale_dtype", [
+    (8, "stochastic", "float32"), (4, "stochastic", "float32"),
+    (8, "nearest", "bfloat16")])
+def test_kernel_writes_the_xla_paths_state(bits, rounding, scale_dtype):
+  kwargs = dict(bits=bits, rounding=rounding, scale_dtype=scale_dtype)
+  u_xla, s_xla = _run("xla", **kwargs)
+  u_kernel, s_kernel = _run("interpret", **kwargs)
+  # Codes, scales, outliers, indices, forms and counters: bit for bit.
+  a, b = jax.tree.leaves(s_xla), jax.tree.leaves(s_kernel)
+  assert jax.tree.structure(s_xla) == jax.tree.structure(s_kernel)
+  for x, y in zip(a, b, strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  mu = s_kernel.inner_state[0].mu["w"]
+  assert isinstance(mu, QuantizedArray) and mu.bits == bits
+  # The spike is its block's outlier, kept exactly.
+  assert float(mu.outliers[3 // 1, 7 // 64]) != 0.0
+  # Updates: XLA's simplifier rewrites m / c1 / (sqrt(v / c2) + eps) per
+  # program (plain jitted optax.adam differs by an ulp between a one-leaf and
+  # a two-leaf tree), so within an ulp or two, not bit for bit.
+  for x, y in zip(u_xla, u_kernel, strict=True):
+    jax.tree.map(lambda p, q: np.testing.assert_allclose(
+        np.asarray(p), np.asarray(q), rtol=3e-7, atol=0), x, y)
+
+
+def test_skipped_step_is_bit_identical():
+  scale = jmp_lite.DynamicLossScale(2.0**10)
+  opt = jmp_lite.stochastic_rounding(jmp_lite.loss_scaled(
+      quantized_adam(1e-2, block_size=64, kernel="interpret"), scale))
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
+  state = opt.init(params)
+  step = jax.jit(lambda g, s, p: jmp_lite.update_and_apply(opt, g, s, p))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0**10), params)
+  params, state = step(grads, state, params)
+  inner = lambda s: jax.tree.leaves(s.inner_state.inner_state)
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+  new_params, new_state = step(bad, state, params)
+  for x, y in zip(inner(state), inner(new_state), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(new_params),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                  np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("kernel,fused", [
+    ("auto", jax.default_backend() in ("gpu", "tpu")), ("xla", False),
+    ("interpret", True)])
+def test_kernel_choice(kernel, fused):
+  opt = quantized_adam(1e-3, kernel=kernel)
+  params = {"w": jnp.ones((4, 256))}
+  jaxpr = str(jax.make_jaxpr(opt.update)(params, opt.init(params), params))
+  assert ("pallas_call" in jaxpr) == fused
+
+
+def test_state_moves_to_and_from_quantized_states():
+  # The same state: quantized_states(optax.adam) steps what the kernel made.
+  plain = jmp_lite.quantized_states(optax.adam(1e-2), block_size=64)
+  _, state = _run("interpret", steps=1)
+  params = _params()
+  _, s_plain = jax.jit(plain.update)(_grads(1), state, params)
+  opt = quantized_adam(1e-2, block_size=64, kernel="interpret")
+  _, s_kernel = jax.jit(opt.update)(_grads(1), state, params)
+  for x, y in zip(jax.tree.leaves(s_plain), jax.tree.leaves(s_kernel),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(kernel="cuda"), ValueError, "kernel must be one of"),
+    (dict(learning_rate=optax.constant_schedule(1e-3)), TypeError,
+     "learning_rate must be a float"),
+    (dict(bits=3), ValueError, "bits must be 8 or 4"),
+])
+def test_bad_input_names_the_value(kwargs, error, match):
+  kwargs = {"learning_rate": 1e-3, **kwargs}
+  with pytest.raises(error, match=match):
+    quantized_adam(**kwargs)
+
+
+def test_another_configurations_state_is_refused():
+  params = {"w": jnp.ones((4, 256))}
+  state = quantized_adam(1e-3, seed=1).init(params)
+  opt = quantized_adam(1e-3, kernel="interpret")
+  with pytest.raises(ValueError, match="another configuration"):
+    opt.update(params, state, params)
