@@ -39,7 +39,7 @@ FAST = hypothesis.settings(
     max_examples=12, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 DEEP = hypothesis.settings(
-    max_examples=80, deadline=None,
+    max_examples=60, deadline=None,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 
@@ -393,7 +393,9 @@ def _nonfinite_placement(recipe_name, bs, shape, seed, n_bad):
     xs, ws = np.where(np.isfinite(x), x, 0), np.where(np.isfinite(w), w, 0)
     ref = xs.astype(np.float64) @ ws.astype(np.float64)
     scale = np.abs(xs) @ np.abs(ws)
-    assert np.all(np.abs(y - ref)[clean] <= 0.13 * scale[clean] + 1e-6)
+    # E4M3 rounds each operand by 1/16; "floor" saturates by up to 1/8.
+    tol = 0.27 if recipe_name == "mx-floor" else 0.13
+    assert np.all(np.abs(y - ref)[clean] <= tol * scale[clean] + 1e-6)
 
 
 @FAST
