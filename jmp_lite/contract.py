@@ -26,8 +26,9 @@ A declaration travels on the transformation's ``update`` function
 (:class:`DeclaredUpdate`), so that it survives optax rebuilding the
 transformation's ``NamedTuple`` and is never planted in a state.
 
-States declare three things: :class:`Gate`, whether the step that made
-them moved any param; :class:`RoundsHalfParams`, that their transformation
+States declare four things: :class:`Gate`, whether the step that made
+them moved any param; :class:`Accumulates`, that they change on steps that
+apply nothing; :class:`RoundsHalfParams`, that their transformation
 rounds updates into half params (and so must see them);
 :class:`HoldsMasterCopy`, that they hold a master copy of the params (which
 no wrapper may store narrow). Wrappers that must not advance on skipped
@@ -52,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["DeclaredUpdate", "Forwarding", "Gate", "Guarding",
+__all__ = ["Accumulates", "DeclaredUpdate", "Forwarding", "Gate", "Guarding",
            "HoldsMasterCopy", "RoundsHalfParams", "UpdateFn", "contract_of",
            "declare", "step_applied", "without_half_by_design"]
 
@@ -304,6 +305,24 @@ class RoundsHalfParams:
     >>> import jmp_lite
     >>> from jmp_lite import contract
     >>> issubclass(jmp_lite.low_precision.KahanState, contract.RoundsHalfParams)
+    True
+  """
+
+
+class Accumulates:
+  """A state that changes on steps it does not apply: a gradient
+  accumulator (:func:`~jmp_lite.accumulate_gradients`' state).
+
+  A wrapper that keeps its stored state as it was on a step that applied
+  nothing (:func:`~jmp_lite.quantized_states` keeps its codes bit for bit)
+  would drop every micro-batch but a window's last; one that rounds its
+  state on every step (:func:`~jmp_lite.state_dtypes`) would round the
+  float32 accumulator. Both refuse an inner state holding one.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite import contract
+    >>> issubclass(jmp_lite.accumulation.AccumulateState, contract.Accumulates)
     True
   """
 

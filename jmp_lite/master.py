@@ -175,6 +175,11 @@ def master_weights(
         " the small updates it exists to accumulate; use float32")
   if update_dtype is not None:
     update_dtype = _dtypes.to_floating_dtype(update_dtype, "update_dtype")
+    if np.dtype(update_dtype).itemsize < 2:
+      raise ValueError(
+          f"master_weights: update_dtype {np.dtype(update_dtype).name} cannot"
+          " carry a param's update (JAX adds no FP8 update to a half param);"
+          " use None (each param's own dtype) or float32")
   config = (f"master_weights(dtype={np.dtype(dtype).name}, update_dtype="
             f"{None if update_dtype is None else np.dtype(update_dtype).name})")
 
@@ -182,6 +187,14 @@ def master_weights(
     # A master narrower than its param (float16 for bfloat16, whose range is
     # float32's; float8 for anything) would round the param itself.
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if (update_dtype is not None and _dtypes.is_floating_array(p)
+          and not _holds(update_dtype, p.dtype)):
+        raise ValueError(
+            f"master_weights: update_dtype {np.dtype(update_dtype).name}"
+            f" cannot hold the updates of param {jax.tree_util.keystr(path)}"
+            f" ({np.dtype(p.dtype).name}): a bfloat16 param's update"
+            " overflows float16, and a small one rounds to zero. Use None"
+            " (each param's own dtype) or float32")
       if _dtypes.is_floating_array(p) and not _holds(dtype, p.dtype):
         raise ValueError(
             f"master_weights: the master dtype {np.dtype(dtype).name} cannot"

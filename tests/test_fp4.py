@@ -413,3 +413,12 @@ def test_jit_traces_once_and_keys_can_be_traced():
   b = step(x, w, jax.random.key(0), 1)
   assert step._cache_size() == 1  # pyright: ignore[reportAttributeAccessIssue]
   assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", [fp4.NVFP4(), fp4.MXFP4()],
+                         ids=["nvfp4", "mxfp4"])
+def test_dimension_numbers_lax_refuses_are_refused(recipe):
+  """Before: contracting sizes 2 and 3 gave a (32, 32) result."""
+  x, w = jnp.ones((32, 2)), jnp.ones((3, 32))
+  with pytest.raises(TypeError, match="fp4 dot_general: .*contracting"):
+    fp4.dot_general(recipe)(x, w, (((1,), (0,)), ((), ())))

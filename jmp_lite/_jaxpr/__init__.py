@@ -13,6 +13,8 @@ Modules, one concept each:
 
 * ``args`` — which argument leaves are traced (:func:`split_array_args`),
   :func:`is_tracer`;
+* ``depends`` — which outputs are computed from the inputs' values
+  (:func:`depends_on_inputs`);
 * ``names`` — name stacks, scope names, source locations;
 * ``walk`` — :func:`walk`, the one walker over equations and sub-jaxprs,
   and :func:`interpret`, the observing evaluator;
@@ -24,6 +26,7 @@ Modules, one concept each:
 """
 
 from jmp_lite._jaxpr.args import is_tracer, split_array_args, varying_axes
+from jmp_lite._jaxpr.depends import depends_on_inputs
 from jmp_lite._jaxpr.dots import (
     is_matmul,
     matmul_dims,
@@ -70,6 +73,7 @@ from jmp_lite._jaxpr.walk import interpret, Site, walk
 __all__ = [
     "CASTABLE", "Literal", "MATMULS", "Operands", "Plan", "Rewriter", "Site",
     "abstract_eval", "bind", "call", "consts_as_args", "convert",
+    "depends_on_inputs",
     "differentiable_call", "evaluate", "has_subjaxprs", "inline_jaxpr",
     "interpret", "is_jaxpr", "is_literal", "is_matmul", "is_tracer",
     "jaxpr_and_consts", "join_scopes", "matmul_dims", "matmul_flops",

@@ -233,6 +233,20 @@ def _floating(x: Any, what: str) -> jax.Array:
   return x
 
 
+def _like_lax(lhs: jax.Array, rhs: jax.Array, dims: Any) -> None:
+  """Refuses what ``lax.dot_general`` refuses, with its message: the
+  operands are transposed and reshaped before any dot, and dimension
+  numbers it rejects (mismatched sizes, duplicates) could otherwise reach a
+  reshape that succeeds and contracts the wrong elements."""
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  try:
+    jax.eval_shape(functools.partial(jax.lax.dot_general,
+                                     dimension_numbers=dims),
+                   spec(lhs), spec(rhs))
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"fp4 dot_general: {e}") from None
+
+
 def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
   """An FP4 matmul with ``jax.lax.dot_general``'s signature.
 
@@ -290,6 +304,7 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
     (lc, rc), (lb, rb) = _normalize_dims(dimension_numbers)
+    _like_lax(lhs, rhs, ((lc, rc), (lb, rb)))
     l_free = tuple(d for d in range(lhs.ndim) if d not in (*lc, *lb))
     r_free = tuple(d for d in range(rhs.ndim) if d not in (*rc, *rb))
     batch = tuple(lhs.shape[d] for d in lb)

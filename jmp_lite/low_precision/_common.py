@@ -99,6 +99,10 @@ def check_inner_structure(inner: optax.GradientTransformation,
   Abstract (``jax.eval_shape``): it costs a trace of ``init``, once per
   trace of the step.
   """
+  if contract.contract_of(inner) is not None:
+    # A jmp_lite transformation checks its own state (and tracing its init
+    # here, a quantizer's, cost seconds on models of hundreds of leaves).
+    return
   if params is None:
     return
   # Key paths, not treedefs: static settings a guard records (None in

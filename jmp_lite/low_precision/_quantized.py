@@ -20,6 +20,7 @@ import optax
 from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_own_state, check_transformation
+from jmp_lite._jaxpr import depends_on_inputs
 from jmp_lite.low_precision._blockwise import (
   bytes_per_element,
   dequantize,
@@ -51,7 +52,10 @@ _BITS = (8, 4)
 # D-Adaptation's ``exp_avg_sq``. The signed map's zero code would make them
 # come back as 0.
 _UNSIGNED = ("nu", "nu_max", "n", "sum_of_squares", "grad_sum_of_squares",
-             "e_g", "e_x", "exp_avg_sq")
+             "e_g", "e_x", "exp_avg_sq", "v_row", "v_col", "FactoredState.v")
+# First moments and gradient copies: signed by nature (``unsigned=`` naming
+# one would store it without its sign).
+_SIGNED = ("mu", "m", "trace", "exp_avg", "g", "momentum")
 _ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -104,11 +108,47 @@ def _is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedArray)
 
 
-def _unsigned_leaf(path: Sequence[Any], names: tuple[str, ...]) -> bool:
+def _field_of(tree: Any, path: Sequence[Any]) -> tuple[str, str] | None:
+  """(class name, field) of the innermost attribute on ``path`` (the
+  NamedTuple field holding the leaf: Adam's ``nu``; Adafactor's ``v``, whose
+  class tells it from Adan's signed ``v``)."""
+  node, found = tree, None
+  for k in path:
+    try:
+      if isinstance(k, jax.tree_util.GetAttrKey):
+        found = (type(node).__name__, k.name)
+        node = getattr(node, k.name)
+      elif isinstance(k, jax.tree_util.DictKey):
+        node = node[k.key]
+      elif isinstance(k, jax.tree_util.SequenceKey):
+        node = node[k.idx]
+      else:
+        return found
+    except (AttributeError, KeyError, IndexError, TypeError):
+      return found
+  return found
+
+
+def _unsigned_leaf(tree: Any, path: Sequence[Any],
+                   names: tuple[str, ...]) -> bool:
   # Attribute names only (a NamedTuple state's fields): a param called "nu"
   # inside mu's dict is a DictKey and does not count.
-  return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in names
-             for k in path)
+  field = _field_of(tree, path)
+  return field is not None and (field[1] in names
+                                or ".".join(field) in names)
+
+
+def _mirrors_a_param(path: Sequence[Any], shape: tuple[int, ...],
+                     params: list[tuple[tuple[Any, ...], tuple[int, ...]]]
+                     ) -> bool:
+  """Whether a state leaf at ``path`` is per-parameter: some param's key
+  path ends the leaf's (``0/mu/w`` ends with ``w``) and has its shape. A
+  leaf that only shares a shape (Adafactor's ``v_col`` of ``w`` and a bias,
+  a schedule's per-beta vector) is not."""
+  path = tuple(path)
+  return any(p_shape == shape and len(p_path) <= len(path)
+             and path[len(path) - len(p_path):] == p_path
+             for p_path, p_shape in params)
 
 
 def _param_of(path: tuple[Any, ...], x: QuantizedArray,
@@ -203,11 +243,16 @@ def quantized_states(
   :func:`stochastic_rounding`, about 4.07 bytes per parameter (3.07 with 4
   bits).
 
-  Leaves under a state field named in ``unsigned`` take the unsigned
-  square-root map with no zero code, so a positive second moment never
-  comes back as 0; the rest the signed map. The default names cover optax's
-  second moments (``nu``, ``nu_max``, ``n`` of Adan, ``sum_of_squares``,
-  ...); names given by hand must each be a field of ``inner``'s state. A
+  Only per-parameter statistics are stored quantized: a floating state leaf
+  whose key path ends with a param's and which has its shape (a leaf that
+  only shares a shape, such as Adafactor's factored ``v_col``, stays as
+  ``inner`` makes it), and which ``inner.init`` does not compute from the
+  params' values (copies of the params, such as schedule-free's ``z`` or
+  Prodigy's ``params0``, stay float32). Second moments take the unsigned
+  square-root map with no zero code, so a positive one never comes back
+  as 0; the rest the signed map. optax's second moments are known (``nu``,
+  ``nu_max``, Adan's ``n``, ``sum_of_squares``, Adafactor's ``v``,
+  ...); name others in ``unsigned``. A
   step that a guard inside (:func:`~jmp_lite.loss_scaled`) skips leaves the
   codes and scales bit-identical.
 
@@ -220,8 +265,11 @@ def quantized_states(
 
   Order: :func:`stochastic_rounding` and :func:`kahan_summation` go
   outside (inside, they would get float32 params and round nothing), and
-  so does :func:`~jmp_lite.master_weights` (inside, its float32 master copy
-  would be stored in 8 bits); ``init`` refuses both.
+  so do :func:`~jmp_lite.master_weights` (inside, its float32 master copy
+  would be stored in 8 bits) and :func:`~jmp_lite.accumulate_gradients` or
+  ``optax.MultiSteps`` (inside, the accumulator would be stored in 8 bits,
+  and kept as it was on each micro-batch that applies nothing); ``init``
+  refuses them inside.
 
   Args:
     inner: the optimizer; put a :func:`~jmp_lite.loss_scaled` *inside* so
@@ -229,8 +277,10 @@ def quantized_states(
     bits: 8 or 4.
     block_size: elements per block, a positive int (even for 4 bits).
     scale_dtype: ``"float32"`` or ``"bfloat16"`` for the scales.
-    unsigned: names of the state fields holding non-negative leaves;
-      ``None`` for optax's second moments (see above).
+    unsigned: names of further state fields holding non-negative
+      statistics, beyond optax's second moments (known already, see above);
+      each must be a field of ``inner``'s state, and first moments (``mu``,
+      ``m``, ``trace``, ...) are refused.
     rounding: ``"stochastic"`` (each code rounds up or down at random,
       unbiased in ``mu`` and in ``sqrt(nu)``) or ``"nearest"`` (the nearest
       code in the companded domain). Nearest codes change the trajectory: a
@@ -284,29 +334,41 @@ def quantized_states(
     raise ValueError(
         "quantized_states: scale_dtype must be float32 or bfloat16, got"
         f" {scale_dtype.name}")
-  named = unsigned is not None
   if unsigned is None:
-    unsigned = _UNSIGNED
+    unsigned = ()
   if isinstance(unsigned, str) or not isinstance(unsigned, Sequence) or not (
       all(isinstance(n, str) for n in unsigned)):
     raise TypeError(
         "quantized_states: unsigned must be a sequence of field names, got"
         f" {unsigned!r}")
-  unsigned = tuple(unsigned)
+  extra_unsigned = tuple(unsigned)
+  signed_named = [n for n in extra_unsigned if n in _SIGNED]
+  if signed_named:
+    raise ValueError(
+        f"quantized_states: unsigned names {signed_named}, but those fields"
+        " hold signed values (first moments, gradients); the unsigned map"
+        " would store them without their sign. Name only non-negative"
+        " statistics (optax's second moments are known already)")
+  unsigned = _UNSIGNED + extra_unsigned
   if rounding not in _ROUNDINGS:
     raise ValueError(
         "quantized_states: rounding must be 'stochastic' or 'nearest', got"
         f" {rounding!r}")
   seed = check_seed(seed)
   config = QuantizedConfig(bits=bits, block_size=block_size,
-                           scale_dtype=scale_dtype.name, unsigned=unsigned,
-                           rounding=rounding, seed=seed)
+                           scale_dtype=scale_dtype.name,
+                           unsigned=extra_unsigned, rounding=rounding,
+                           seed=seed)
 
-  def store(path: Any, x: Any, shapes: set[tuple[int, ...]]) -> Any:
+  def store(tree: Any, path: Any, x: Any, copy: bool,
+            params: list[tuple[tuple[Any, ...], tuple[int, ...]]]) -> Any:
+    # Per-parameter statistics only: not a copy of the params that the
+    # optimizer keeps (schedule-free's z, Prodigy's params0: computed from
+    # the params' values at init), not a leaf that merely shares a shape.
     if not (_dtypes.is_floating_array(x) and x.ndim >= 1 and x.size
-            and tuple(x.shape) in shapes):
+            and not copy and _mirrors_a_param(path, tuple(x.shape), params)):
       return x
-    signed = not _unsigned_leaf(path, unsigned)
+    signed = not _unsigned_leaf(tree, path, unsigned)
     return quantize(x, bits=bits, block_size=block_size, signed=signed,
                     power=POWERS[(bits, signed)], scale_dtype=scale_dtype)
 
@@ -316,7 +378,7 @@ def quantized_states(
     fields = {k.name for path, _ in
               jax.tree_util.tree_flatten_with_path(inner_state)[0]
               for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
-    missing = [n for n in unsigned if n not in fields]
+    missing = [n for n in extra_unsigned if n not in fields]
     if missing:
       raise ValueError(
           f"quantized_states: unsigned names {missing} match no field of the"
@@ -336,14 +398,22 @@ def quantized_states(
         " would round nothing. Put it outside:"
         " stochastic_rounding(quantized_states(...)) or"
         " kahan_summation(quantized_states(...))")
-    if named:
-      check_names(inner_state)
-    shapes = {tuple(p.shape) for p in jax.tree.leaves(params)
-              if hasattr(p, "shape")}
+    refuse_inside(
+        inner_state, "quantized_states",
+        (contract.Accumulates, optax.MultiStepsState),
+        "its float32 gradient accumulator would be stored in"
+        f" {bits} bits and keep only a window's last micro-batch. Accumulate"
+        " outside: accumulate_gradients(quantized_states(...))")
+    check_names(inner_state)
+    params_at = [(tuple(p), tuple(x.shape)) for p, x in
+                 jax.tree_util.tree_flatten_with_path(params)[0]
+                 if hasattr(x, "shape")]
+    copies = iter(depends_on_inputs(inner.init, wide_params))
     return QuantizedStatesState(
         seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
         inner_state=jax.tree_util.tree_map_with_path(
-            lambda path, x: store(path, x, shapes), inner_state),
+            lambda path, x: store(inner_state, path, x, next(copies),
+                                  params_at), inner_state),
         config=config)
 
   def check_layout(x: QuantizedArray) -> None:
@@ -367,8 +437,10 @@ def quantized_states(
                **extra: Any) -> tuple[Any, QuantizedStatesState]:
       check_own_state(state, QuantizedStatesState, "quantized_states")
       check_made_by(state.config, config, "quantized_states")
-      check_inner_structure(inner, state.inner_state, params,
-                            "quantized_states", is_leaf=_is_quantized)
+      # Without params, the gradients have their structure.
+      check_inner_structure(
+          inner, state.inner_state, updates if params is None else params,
+          "quantized_states", is_leaf=_is_quantized)
       flat, treedef = jax.tree_util.tree_flatten_with_path(
           state.inner_state, is_leaf=_is_quantized)
       paths = [p for p, _ in flat]

@@ -19,6 +19,7 @@ from jmp_lite._checks import (
   check_own_state,
   check_transformation,
 )
+from jmp_lite._jaxpr import depends_on_inputs
 from jmp_lite.diagnostics import PrecisionWarning
 from jmp_lite.low_precision._common import (
   check_inner_structure,
@@ -209,14 +210,26 @@ def state_dtypes(
         " round nothing. Put it outside:"
         " kahan_summation(state_dtypes(...)) or"
         " stochastic_rounding(state_dtypes(...))")
+    refuse_inside(
+        inner_state, "state_dtypes",
+        (contract.Accumulates, optax.MultiStepsState),
+        "its float32 gradient accumulator would be rounded to the storage"
+        " dtype on every micro-batch. Accumulate outside:"
+        " accumulate_gradients(state_dtypes(...))")
     masters = {id(x) for node in struct.find_nodes(
         inner_state, contract.HoldsMasterCopy)
                for x in jax.tree.leaves(node.master_copy())}
+    # Copies of the params an optimizer keeps (schedule-free's z, Prodigy's
+    # params0: computed from the params' values at init) are no statistics:
+    # a single storage dtype leaves them as inner makes them.
+    copies = iter(depends_on_inputs(inner.init, wide_params))
     used: set[int] = set()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
     stored = []
     for path, x in leaves:
       dtype = storage(path, x, used)
+      if next(copies) and not isinstance(rules, list):
+        dtype = None
       if dtype is not None and id(x) in masters and dtype != x.dtype:
         raise ValueError(
             f"state_dtypes: {path_string(path)} is a master_weights copy of"
@@ -244,7 +257,9 @@ def state_dtypes(
                **extra: Any) -> tuple[Any, StateDtypesState]:
       check_own_state(state, StateDtypesState, "state_dtypes")
       check_made_by(state.config, config, "state_dtypes")
-      check_inner_structure(inner, state.inner_state, params, "state_dtypes")
+      check_inner_structure(inner, state.inner_state,
+                            updates if params is None else params,
+                            "state_dtypes")
       stored, treedef = jax.tree.flatten(state.inner_state)
       new_updates, new_inner = inner_update(
           upcast(updates), treedef.unflatten([

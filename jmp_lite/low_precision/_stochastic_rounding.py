@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite import contract, struct
@@ -28,6 +29,8 @@ from jmp_lite.low_precision._rounding import (
   specs_per_leaf,
   step_key,
 )
+
+_SALT = np.uint32(0x5352)  # "SR"
 
 
 @struct.dataclass
@@ -133,9 +136,11 @@ def stochastic_rounding(
       inner_updates, inner_state = inner_update(
           updates, state.inner_state, params, **extra)
       # The state's seed: the stream it started (a vmap over seeds, a
-      # restored checkpoint); init takes the optimizer's.
+      # restored checkpoint); init takes the optimizer's. Salted: a
+      # quantized_states or state_dtypes inside, with the same seed and
+      # counter, would otherwise round its leaf i with param i's bits.
       seed_ = state.seed
-      key = step_key(seed_, state.count)
+      key = step_key(seed_ ^ _SALT, state.count)
       p_leaves, treedef = jax.tree.flatten(params)
       u_leaves = treedef.flatten_up_to(inner_updates)
       leaf_specs = specs_per_leaf(specs, params, "params")
