@@ -34,6 +34,13 @@ run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
 
 python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax",
 flax.__version__, "optax", optax.__version__, jax.devices())'
+# 8/4-bit states (and the fused quantized_adam kernel) against SR(adam):
+# moderate size first, each row printed as it finishes, the rest skipped
+# once its budget (QCOST_BUDGET seconds, default 240) is spent.
+run quantized_step_cost --fused --budget "${QCOST_BUDGET:-240}" \
+  --rounds ${ROUNDS:-7} --dump "$out/hlo"
+run quantized_step_cost --fused --width 4096 --depth 3 --batch 512 \
+  --budget "${QCOST_BUDGET:-240}" --rounds ${ROUNDS:-7} --only "adam, 8))"
 # The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
 run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9} \
   --dump "$out/hlo"

@@ -355,22 +355,24 @@ def test_loss_scaled_outside_accepts_the_quantized_state():
   assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
 
 
-def test_accumulate_gradients_inside_and_outside():
+def test_accumulate_gradients_outside_steps_and_inside_is_refused():
   qs = jmp_lite.quantized_states
-  for opt in (jmp_lite.stochastic_rounding(qs(jmp_lite.accumulate_gradients(
-                  optax.adam(1e-3), every_k=2))),
-              jmp_lite.accumulate_gradients(jmp_lite.stochastic_rounding(
-                  qs(optax.adam(1e-3))), every_k=2)):
-    step = _jitted(opt, "update")
-    params = _params()
-    state = opt.init(params)
-    params, state = step(params, state, _grads(0))
-    before = jax.device_get((params, _quantized(state)))
-    # The first micro-batch applies nothing: params and codes stay.
-    chex.assert_trees_all_equal((params, _quantized(state)), before)
-    params, state = step(params, state, _grads(1))
-    assert not np.array_equal(np.asarray(params["w1"], np.float32),
-                              np.asarray(before[0]["w1"], np.float32))
+  inside = jmp_lite.stochastic_rounding(qs(jmp_lite.accumulate_gradients(
+      optax.adam(1e-3), every_k=2)))
+  with pytest.raises(ValueError, match="Accumulate outside"):
+    inside.init(_params())
+  opt = jmp_lite.accumulate_gradients(jmp_lite.stochastic_rounding(
+      qs(optax.adam(1e-3))), every_k=2)
+  step = _jitted(opt, "update")
+  params = _params()
+  state = opt.init(params)
+  params, state = step(params, state, _grads(0))
+  before = jax.device_get((params, _quantized(state)))
+  # The first micro-batch applies nothing: params and codes stay.
+  chex.assert_trees_all_equal((params, _quantized(state)), before)
+  params, state = step(params, state, _grads(1))
+  assert not np.array_equal(np.asarray(params["w1"], np.float32),
+                            np.asarray(before[0]["w1"], np.float32))
 
 
 # ------------------------------------------------- jit, pytrees, checkpoints

@@ -32,6 +32,7 @@ from jmp_lite.low_precision._blockwise import (
   form_of,
   grid,
   layout,
+  outlier_and_scale_max,
   QuantizedArray,
   where_dtype,
 )
@@ -45,22 +46,6 @@ from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
 _KERNELS = ("auto", "pallas", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile).
 _TILE = 8
-
-
-def _stats(mag: jax.Array, raw: jax.Array
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``outlier_and_scale`` as plain max/min reductions (what kernels lower):
-  maxima are exact, so both give the same index, outlier and scale."""
-  index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
-  nan = jnp.isnan(mag)
-  any_nan = jnp.any(nan, axis=-1, keepdims=True)
-  top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
-  hit = jnp.where(any_nan, nan, mag == top)
-  where = jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1)
-  at = index == where[..., None]
-  outlier = jnp.max(jnp.where(at, raw, -jnp.inf), axis=-1)
-  rest = jnp.max(jnp.where(at | ~jnp.isfinite(mag), 0.0, mag), axis=-1)
-  return where, outlier, rest
 
 
 def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
@@ -108,7 +93,7 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
       noise = (bits32 >> 8).astype(F32) * 2.0**-24
     k, scales, outliers, where = encode_blocks(
         jnp.where(valid, new, 0.0), noise, bits=bits, signed=signed,
-        power=power, scale_dtype=scale_dtype, stats=_stats)
+        power=power, scale_dtype=scale_dtype, stats=outlier_and_scale_max)
     c_out[...] = k.astype(jnp.uint8)
     s_out[...] = scales[:, None]
     o_out[...] = outliers[:, None]
