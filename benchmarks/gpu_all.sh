@@ -26,7 +26,7 @@ run() {  # run SCRIPT ARGS...: one benchmark, its output teed to DIR
   shift
   echo "== python $name.py $*"
   if ! timeout "${GPU_ALL_LIMIT:-0}" python3 "$name.py" "$@" 2>&1 \
-      | tee "$out/$name.txt"; then
+      | tee -a "$out/$name.txt"; then
     failed+=("$name")
   fi
   echo "[$name: $((SECONDS - start)) s]"
@@ -40,7 +40,8 @@ flax.__version__, "optax", optax.__version__, jax.devices())'
 run quantized_step_cost --fused --budget "${QCOST_BUDGET:-240}" \
   --rounds ${ROUNDS:-7} --dump "$out/hlo"
 run quantized_step_cost --fused --width 4096 --depth 3 --batch 512 \
-  --budget "${QCOST_BUDGET:-240}" --rounds ${ROUNDS:-7} --only "adam, 8))"
+  --budget "${QCOST_BUDGET:-240}" --rounds ${ROUNDS:-7} \
+  --only "adam, 8));quantized_adam(8)"
 # The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
 run optimizer_memory --width 4096 --depth 3 --batch 512 --rounds ${ROUNDS:-9} \
   --dump "$out/hlo"

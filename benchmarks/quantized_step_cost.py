@@ -158,7 +158,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       print(f"| {name} | skipped: budget of {args.budget:.0f} s spent |",
             flush=True)
       continue
-    built[name] = build(name, uaa, make)
+    try:
+      built[name] = build(name, uaa, make)
+    except Exception as e:  # noqa: BLE001 (a kernel that fails to lower)
+      print(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |",
+            flush=True)
+      continue
     b, r = built[base], built[name]
     steps = {base: b["step"]} if name == base else {
         base: b["step"], name: r["step"]}
