@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     state = (params, opt.init(params))
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3 * scale), params)
     compiled = jax.jit(apply, donate_argnums=0).lower(state, grads).compile()
-    hlo = compiled.as_text()
+    hlo = compiled.as_text() or ""
     if args.dump is not None:
       args.dump.mkdir(parents=True, exist_ok=True)
       safe = "".join(c if c.isalnum() else "_" for c in name)
