@@ -363,6 +363,78 @@ adam = jmp_lite.struct.find_nodes(state, optax.ScaleByAdamState)[0]
 print(o3.compensation, jax.tree.map(lambda x: x.dtype.name, {
     "compensation": state.compensation, "mu": adam.mu, "nu": adam.nu}))"""),
     ],
+    "06_fp4": [
+        ("md", """\
+# FP4 training: NVFP4 and MXFP4 against bfloat16
+
+`jmp_lite.fp4.dot_general(recipe, key)` runs a layer's three matmuls on
+4-bit (E2M1) operands: 16-element blocks with an E4M3 scale and a tensor
+scale (NVFP4, weights in 16x16 tiles, a random Hadamard transform on the
+weight gradient, gradients rounded stochastically), or 32-element blocks
+with power-of-two scales (MXFP4). The digits MLP's hidden layer runs in FP4,
+the first and last layers stay bfloat16, as the NVFP4 recipe keeps its most
+sensitive layers high; each step draws a fresh key from the `"fp4"` stream.
+Adam 3e-4, 300 steps:"""),
+        ("code", SETUP),
+        ("code", """\
+import flax.linen as nn
+from jmp_lite import fp4
+import jmp_lite.fp4.linen as fp4_linen
+
+x_tr, y_tr, x_te, y_te = examples.load_digits_split(0)
+
+def train(recipe, steps=300, batch=128):
+  fields = {} if recipe is None else fp4_linen.layer_fields(recipe)
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+      x = nn.relu(nn.Dense(128, **kw)(x))
+      x = nn.relu(nn.Dense(128, **kw, **fields)(x))  # the FP4 layer
+      return nn.Dense(10, **kw)(x)
+
+  model = MLP()
+  params = model.init(jax.random.key(0), x_tr[:1])["params"]
+  order = np.concatenate([np.random.default_rng(i).permutation(len(x_tr))
+                          for i in range(steps * batch // len(x_tr) + 2)])
+  def batches(i):
+    idx = order[i * batch:(i + 1) * batch]
+    return x_tr[idx], y_tr[idx], jax.random.fold_in(jax.random.key(7), i)
+  def loss_fn(p, b):
+    x, y, key = b
+    logits = model.apply({"params": p}, x, rngs={"fp4": key})
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), y).mean()
+  @jax.jit
+  def evaluate(p):
+    logits = model.apply({"params": p}, x_te).astype(jnp.float32)
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, y_te)
+            .mean(), jnp.mean(jnp.argmax(logits, -1) == y_te))
+  return examples.fit(params, loss_fn, batches, steps=steps, lr=3e-4,
+                      loss_scale=jmp_lite.NoOpLossScale(), master=False,
+                      eval_fn=evaluate)
+
+results = {"bf16": train(None), "NVFP4": train(fp4.NVFP4()),
+           "MXFP4": train(fp4.MXFP4())}
+base = results["bf16"].eval_loss
+print(f"{'run':8} {'eval loss':>9} {'vs bf16':>8} {'acc':>6}")
+for name, r in results.items():
+  print(f"{name:8} {r.eval_loss:9.4f} {r.eval_loss / base - 1:+8.1%}"
+        f" {r.accuracy:6.3f}")"""),
+        ("code", """\
+fig, ax = plt.subplots()
+for name, r in results.items():
+  ax.plot(np.convolve(r.losses, np.ones(15) / 15, "valid"), label=name)
+ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_title("training loss")
+ax.legend()
+fig.tight_layout()"""),
+        ("md", """\
+On a model this small FP4's gap is a few percent of held-out loss (one seed
+here; `tests/test_fp4_fidelity.py` averages two and holds NVFP4 within 5%,
+MXFP4 within 12%). `docs/fp4.md` has the recipe's ingredients, what runs
+natively where, and the char-LM ablation."""),
+    ],
 }
 
 

@@ -13,10 +13,10 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob(
     "*.ipynb"))
 
 
-def test_there_are_five_notebooks():
+def test_there_are_six_notebooks():
   assert [p.stem for p in NOTEBOOKS] == [
       "01_quickstart", "02_comparison", "03_migration", "04_debugging",
-      "05_pure_bf16"]
+      "05_pure_bf16", "06_fp4"]
 
 
 @pytest.mark.slow   # a kernel per notebook, 7-35 s each
@@ -34,6 +34,6 @@ def test_notebook_executes_and_shows_outputs(path):
     for out in cell.get("outputs", []):
       assert out.output_type != "error", (out.get("ename"), out.get("evalue"))
   if path.stem in ("01_quickstart", "02_comparison", "04_debugging",
-                   "05_pure_bf16"):
+                   "05_pure_bf16", "06_fp4"):
     assert any("image/png" in out.get("data", {})
                for c in nb.cells for out in c.get("outputs", []))
