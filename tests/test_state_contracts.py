@@ -273,14 +273,49 @@ def test_a_gradient_spike_moves_its_own_element_only(bits, spike):
 
 def test_non_finite_elements_of_a_block():
   from jmp_lite.low_precision._blockwise import dequantize, quantize
-  x = jnp.linspace(-1.0, 1.0, 64).at[3].set(jnp.inf).at[9].set(jnp.nan)
+  x = jnp.linspace(-1.0, 1.0, 64).at[9].set(jnp.nan)
   back = np.asarray(dequantize(quantize(x, bits=8, block_size=64,
                                         signed=True, power=2.0)))
-  # The largest (NaN first) is kept; the other non-finite one saturates at
-  # the scale of the finite ones; the finite ones keep their precision.
-  assert np.isnan(back[9]) and back[3] == 1.0
+  # The largest (NaN first) is kept; the finite ones keep their precision.
+  assert np.isnan(back[9])
   finite = np.isfinite(np.asarray(x))
   np.testing.assert_allclose(back[finite], np.asarray(x)[finite], atol=0.02)
+  # A second non-finite element: an inf comes back as huge as it was (the
+  # block's scale goes to float32's largest), never at the finite scale.
+  y = x.at[3].set(jnp.inf)
+  back = np.asarray(dequantize(quantize(y, bits=8, block_size=64,
+                                        signed=True, power=2.0)))
+  assert np.isnan(back[9]) and back[3] > 1e38
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_two_overflowing_spikes_in_a_block_explode_nothing(bits):
+  """Before: the second spike's nu (inf) came back at the block's finite
+  scale, and its param ran to -8.6e18 where float32 Adam leaves it near 0."""
+  n = 256
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.zeros((1, n))}
+  grads = [jnp.asarray(rng.standard_normal((1, n)) * 1e-2, jnp.float32)
+           for _ in range(10)]
+  grads[3] = grads[3].at[0, 7].set(1e20).at[0, 100].set(1e20)
+  opt = _QS(optax.adam(1e-3), bits=bits)
+  p, state = params, opt.init(params)
+  step = jax.jit(lambda p, s, g: _step(opt, p, s, {"w": g}))
+  for g in grads:
+    p, state = step(p, state, g)
+  w = np.asarray(p["w"])
+  assert np.isfinite(w).all() and np.abs(w).max() < 0.05, np.abs(w).max()
+
+
+def test_bfloat16_scales_at_float32s_edge():
+  """Before: a block whose largest was above bfloat16's max got an inf
+  scale and came back NaN."""
+  from jmp_lite.low_precision._blockwise import dequantize, quantize
+  x = jnp.array([3.395e38, -1.0e38, 2.0, 0.0, 3.0e38, 1.0], jnp.float32)
+  back = np.asarray(dequantize(quantize(x, bits=8, block_size=8, signed=True,
+                                        power=2.0, scale_dtype=jnp.bfloat16)))
+  assert np.isfinite(back).all()
+  np.testing.assert_allclose(back[[1, 4]], np.asarray(x)[[1, 4]], rtol=0.02)
 
 
 # -------------------------------------------------- second moments' names

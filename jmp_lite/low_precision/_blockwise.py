@@ -24,8 +24,9 @@ the *other* finite elements. One gradient spike (a ``1e20`` gradient, whose
 square overflows) then changes that element alone, as it would in a float32
 state: its 255 neighbours keep their resolution instead of rounding to the
 spike's scale (zero, or the unsigned map's floor, for as long as the spike
-lasts). A second non-finite element in the same block saturates at the
-block's scale (NaN at zero).
+lasts). A second infinite element in the same block takes the block's
+scale to float32's largest and comes back there (its neighbours then round
+to zero or to the map's floor); a second NaN comes back as zero.
 
 Each array records how it was stored (``form``: bits, block size and map, as
 data) so a checkpoint restored into another configuration is read the way it
@@ -166,12 +167,24 @@ def _root(x: jax.Array, power: float) -> jax.Array:
   return x ** (1.0 / power)
 
 
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _saturated(mag: jax.Array) -> jax.Array:
+  """A magnitude as the block's scale counts it: NaN as 0, inf as
+  float32's largest. A second infinite element in a block (the outlier slot
+  holds the first) then takes the scale to float32's largest and comes back
+  there, as huge as it was (a second moment: an update of about 0), instead
+  of at the finite elements' scale (an update 1e19 times too large)."""
+  return jnp.where(jnp.isnan(mag), 0.0, jnp.minimum(mag, _F32_MAX))
+
+
 def outlier_and_scale(mag: jax.Array, raw: jax.Array
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per block (last axis): the index of the largest magnitude (NaN counts
   as the largest, the first of equals wins, as ``argmax``), the ``raw``
-  value there, and the largest finite magnitude of the other elements (0
-  if none), in one variadic reduction."""
+  value there, and the largest magnitude of the other elements
+  (:func:`_saturated`; 0 if none), in one variadic reduction."""
   index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
 
   def larger(a: jax.Array, i: jax.Array, b: jax.Array,
@@ -187,8 +200,7 @@ def outlier_and_scale(mag: jax.Array, raw: jax.Array
     m2, i2, r2, f2 = right
     first = larger(m1, i1, m2, i2)
     lost = jnp.where(first, m2, m1)
-    rest = jnp.maximum(jnp.maximum(f1, f2),
-                       jnp.where(jnp.isfinite(lost), lost, 0.0))
+    rest = jnp.maximum(jnp.maximum(f1, f2), _saturated(lost))
     return (jnp.where(first, m1, m2), jnp.where(first, i1, i2),
             jnp.where(first, r1, r2), rest)
 
@@ -215,7 +227,7 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   at = index == where[..., None]
   # Gathered, not reduced: XLA:CPU's max flushes a subnormal to zero.
   outlier = jnp.take_along_axis(raw, where[..., None], axis=-1)[..., 0]
-  rest = jnp.max(jnp.where(at | ~jnp.isfinite(mag), 0.0, mag), axis=-1)
+  rest = jnp.max(jnp.where(at, 0.0, _saturated(mag)), axis=-1)
   return where, outlier, rest
 
 
@@ -226,12 +238,15 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   """The codes (as float32 integers), scales, outliers and outlier indices
   of float32 blocks ``raw`` (blocks along the last axis); what
   :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
-  (index, outlier, scale) per block (default :func:`outlier_and_scale`)."""
-  # One variadic reduction: the fewest passes and bytes. On XLA:CPU it is a
-  # scalar loop: the 8-bit MLP step's update runs 1.8x as long as with the
-  # vectorised max/min reductions of outlier_and_scale_max (same results),
-  # which XLA's cost model counts at five times the bytes.
-  stats = stats or outlier_and_scale
+  (index, outlier, scale) per block (default: per backend, below)."""
+  # One variadic reduction: the fewest passes and bytes, for GPUs and TPUs.
+  # On XLA:CPU it is a scalar loop: the 8-bit MLP step's update ran 1.8x as
+  # long as with the vectorised max/min reductions of outlier_and_scale_max
+  # (same results; XLA's cost model counts five times the bytes). Time is
+  # what a CPU user waits for: the CPU takes the max/min reductions.
+  if stats is None:
+    stats = (outlier_and_scale_max if jax.default_backend() == "cpu"
+             else outlier_and_scale)
   # The outlier and scale of an unsigned block are found on v, not on
   # sqrt(v) (sqrt is monotone, so the scale is the same): a reduction that
   # needs no square root lets XLA recompute the new moment in each fusion
@@ -245,8 +260,13 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
   scales = absmax.astype(scale_dtype)
   if np.dtype(scale_dtype) != F32:
+    # Up to the storage dtype's largest, not to inf: a bfloat16 scale of a
+    # block between 3.39e38 and float32's max rounded to inf, and the whole
+    # block came back NaN; above bfloat16's max, elements saturate at it.
+    largest = jnp.finfo(scale_dtype).max
+    scales = jnp.minimum(absmax, np.float32(largest)).astype(scale_dtype)
     scales = jnp.where(
-        scales.astype(F32) < absmax,
+        (scales.astype(F32) < absmax) & (scales < largest),
         jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
   wide = scales.astype(F32)[..., None]
   # Other non-finite elements saturate (NaN to zero); the outlier's own
