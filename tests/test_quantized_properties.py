@@ -29,7 +29,7 @@ _FAST = hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
 # Each example of a training property compiles its own step.
 _FAST_STEPS = hypothesis.settings(max_examples=5, deadline=None,
                                   derandomize=True)
-_DEEP = hypothesis.settings(max_examples=300, deadline=None)
+_DEEP = hypothesis.settings(max_examples=80, deadline=None)
 
 _quantize = jax.jit(quantize, static_argnames=(
     "bits", "block_size", "signed", "power", "scale_dtype"))
@@ -197,7 +197,7 @@ def test_skipped_steps_are_bit_identical_and_restores_resume(problem, bits,
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(problem=_problems(), bits=st.sampled_from([8, 4]),
                   block=st.integers(1, 300).map(lambda b: b + b % 2))
 def test_skipped_steps_and_restores_deep(problem, bits, block):
