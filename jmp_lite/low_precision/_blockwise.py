@@ -222,7 +222,9 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   nan = jnp.isnan(mag)
   any_nan = jnp.any(nan, axis=-1, keepdims=True)
   top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
-  hit = jnp.where(any_nan, nan, mag == top)
+  # ">=", not "==": XLA:CPU's max may flush a block of subnormals to a top
+  # of 0 that no element equals, and an index past the block gathered NaN.
+  hit = jnp.where(any_nan, nan, mag >= top)
   where = jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1)
   at = index == where[..., None]
   # Gathered, not reduced: XLA:CPU's max flushes a subnormal to zero.
@@ -239,14 +241,13 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   of float32 blocks ``raw`` (blocks along the last axis); what
   :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
   (index, outlier, scale) per block (default: per backend, below)."""
-  # One variadic reduction: the fewest passes and bytes, for GPUs and TPUs.
-  # On XLA:CPU it is a scalar loop: the 8-bit MLP step's update ran 1.8x as
-  # long as with the vectorised max/min reductions of outlier_and_scale_max
-  # (same results; XLA's cost model counts five times the bytes). Time is
-  # what a CPU user waits for: the CPU takes the max/min reductions.
-  if stats is None:
-    stats = (outlier_and_scale_max if jax.default_backend() == "cpu"
-             else outlier_and_scale)
+  # One variadic reduction: the fewest passes and bytes. On XLA:CPU it is a
+  # scalar loop: the 8-bit MLP step's update ran 1.8x as long as with the
+  # vectorised max/min reductions of outlier_and_scale_max (XLA's cost model
+  # counts five times their bytes), but those turned a training run's
+  # moments NaN at XLA's optimisation level 0 (unexplained): the variadic
+  # reduction everywhere until they are understood.
+  stats = stats or outlier_and_scale
   # The outlier and scale of an unsigned block are found on v, not on
   # sqrt(v) (sqrt is monotone, so the scale is the same): a reduction that
   # needs no square root lets XLA recompute the new moment in each fusion
