@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
+from jmp_lite._lowbit import check_like_lax, normalize_dims
 from jmp_lite.fp4._quantize import (
   as_key,
   hadamard_signs,
@@ -214,37 +215,12 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 _canonical.defvjp(_canonical_fwd, _canonical_bwd)
 
 
-def _normalize_dims(dimension_numbers: Any):
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    return ((tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
-            (tuple(int(d) for d in lb), tuple(int(d) for d in rb)))
-  except (TypeError, ValueError):
-    raise TypeError(
-        "dimension_numbers must be ((lhs_contracting, rhs_contracting),"
-        f" (lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
-
-
 def _floating(x: Any, what: str) -> jax.Array:
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"fp4 dot_general: {what} must be a floating array, got"
                     f" {x.dtype}")
   return x
-
-
-def _like_lax(lhs: jax.Array, rhs: jax.Array, dims: Any) -> None:
-  """Refuses what ``lax.dot_general`` refuses, with its message: the
-  operands are transposed and reshaped before any dot, and dimension
-  numbers it rejects (mismatched sizes, duplicates) could otherwise reach a
-  reshape that succeeds and contracts the wrong elements."""
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  try:
-    jax.eval_shape(functools.partial(jax.lax.dot_general,
-                                     dimension_numbers=dims),
-                   spec(lhs), spec(rhs))
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"fp4 dot_general: {e}") from None
 
 
 def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
@@ -303,8 +279,8 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
-    (lc, rc), (lb, rb) = _normalize_dims(dimension_numbers)
-    _like_lax(lhs, rhs, ((lc, rc), (lb, rb)))
+    (lc, rc), (lb, rb) = dims = normalize_dims(dimension_numbers)
+    check_like_lax(lhs, rhs, dims, None, preferred_element_type, who="fp4")
     l_free = tuple(d for d in range(lhs.ndim) if d not in (*lc, *lb))
     r_free = tuple(d for d in range(rhs.ndim) if d not in (*rc, *rb))
     batch = tuple(lhs.shape[d] for d in lb)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._lowbit import pow2
 from jmp_lite.fp4._recipes import E2M1, Format, MXFP4, NVFP4, ROLES
 
 __all__ = ["quantize_dequantize"]
@@ -46,23 +47,6 @@ class Quantized(NamedTuple):
   q: jax.Array
   scale: jax.Array
   enc: jax.Array
-
-
-def pow2(e: jax.Array) -> jax.Array:
-  """``2.0 ** e`` in float32, exact (from the bits), for ints in [-149, 127].
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite.fp4._quantize import pow2
-    >>> pow2(jnp.array([-127, 0, 3])).tolist() == [2.0 ** -127, 1.0, 8.0]
-    True
-  """
-  e = jnp.asarray(e, jnp.int32)
-  normal = jax.lax.bitcast_convert_type((jnp.maximum(e, -126) + 127) << 23,
-                                        jnp.float32)
-  sub = jax.lax.bitcast_convert_type(
-      jnp.left_shift(jnp.int32(1), jnp.clip(e + 149, 0, 22)), jnp.float32)
-  return jnp.where(e >= -126, normal, sub)
 
 
 def mx_exponent(amax: jax.Array) -> jax.Array:

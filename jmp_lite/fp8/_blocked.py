@@ -47,12 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
+from jmp_lite._lowbit import pow2
 from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
 from jmp_lite.fp8._quantize import cast_limit, scale_for, scale_inv_for
 from jmp_lite.fp8._recipes import MXFP8
 
 __all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
-           "pow2", "quantize_blocks", "scaled_dot"]
+           "quantize_blocks", "scaled_dot"]
 
 _F32 = np.dtype(np.float32)
 # E8M0's exponent range (its 0xFF encoding is NaN).
@@ -81,23 +82,6 @@ class Layout:
   margin: int = 0
   bs: int = 128
   rounding: str = "up"
-
-
-def pow2(e: jax.Array) -> jax.Array:
-  """``2.0 ** e`` in float32, exact (from the bits), for ints in [-149, 127].
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite.fp8._blocked import pow2
-    >>> pow2(jnp.array([-127, 0, 3])).tolist() == [2.0 ** -127, 1.0, 8.0]
-    True
-  """
-  e = jnp.asarray(e, jnp.int32)
-  normal = jax.lax.bitcast_convert_type((jnp.maximum(e, -126) + 127) << 23,
-                                        jnp.float32)
-  sub = jax.lax.bitcast_convert_type(
-      jnp.left_shift(jnp.int32(1), jnp.clip(e + 149, 0, 22)), jnp.float32)
-  return jnp.where(e >= -126, normal, sub)
 
 
 def _exponent_bits(a: jax.Array) -> tuple[jax.Array, jax.Array]:

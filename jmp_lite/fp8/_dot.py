@@ -36,15 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._lowbit import check_like_lax, DimensionNumbers, normalize_dims
 from jmp_lite.fp8._blocked import fine_dot
-from jmp_lite.fp8._matmul import (
-  check_like_lax,
-  descale,
-  DimensionNumbers,
-  fp8_matmul,
-  like_primal,
-  normalize_dims,
-)
+from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
 from jmp_lite.fp8._quantize import (
   amax_of,
   cast_saturating,
@@ -316,7 +310,8 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
     lhs = _floating(lhs, "lhs")
     rhs = _floating(rhs, "rhs")
     dims = normalize_dims(dimension_numbers)
-    check_like_lax(lhs, rhs, dims, precision, preferred_element_type)
+    check_like_lax(lhs, rhs, dims, precision, preferred_element_type,
+                   who="fp8")
     if preferred_element_type is None:
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:

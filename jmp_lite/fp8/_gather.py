@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._checks import check_axis_name
-from jmp_lite.fp8._blocked import Layout, pow2, quantize_blocks
+from jmp_lite._lowbit import pow2
+from jmp_lite.fp8._blocked import Layout, quantize_blocks
 from jmp_lite.fp8._quantize import amax_of, cast_saturating, scale_for
 from jmp_lite.fp8._recipes import check_recipe, DelayedScaling, MXFP8, Recipe
 

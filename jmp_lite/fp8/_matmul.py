@@ -8,7 +8,6 @@ the import graph one-way.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,65 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
+from jmp_lite._lowbit import DimensionNumbers
 from jmp_lite.dtypes import float8_values
 
-__all__ = ["DimensionNumbers", "check_like_lax", "descale", "fp8_matmul",
-           "like_primal", "normalize_dims"]
+__all__ = ["descale", "fp8_matmul", "like_primal"]
 
 _F32 = np.dtype(np.float32)
-
-DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
-                         tuple[tuple[int, ...], tuple[int, ...]]]
-
-
-def normalize_dims(dimension_numbers: Any) -> DimensionNumbers:
-  """``((lc, rc), (lb, rb))`` as tuples of ints, or a TypeError."""
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    return ((tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
-            (tuple(int(d) for d in lb), tuple(int(d) for d in rb)))
-  except (TypeError, ValueError):
-    raise TypeError(
-        "dimension_numbers must be ((lhs_contracting, rhs_contracting),"
-        f" (lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
-
-
-def check_like_lax(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
-                   precision: Any, preferred_element_type: Any) -> None:
-  """Refuses what ``jax.lax.dot_general`` refuses, with its message.
-
-  The finer recipes transpose and reshape their operands before any dot, so
-  dimension numbers that ``dot_general`` rejects (unequal or out-of-range
-  dimension lists, duplicates, mismatched sizes) would otherwise reach a
-  reshape that may happen to succeed and contract the wrong elements. An
-  abstract evaluation of ``dot_general`` itself on the operands' shapes
-  checks them exactly as it does (and ``precision``), at no run-time cost.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite.fp8._matmul import check_like_lax
-    >>> x, w = jnp.ones((2, 6)), jnp.ones((3, 2))
-    >>> try:
-    ...   check_like_lax(x, w, (((1,), (0,)), ((), ())), None, None)
-    ... except TypeError as e:
-    ...   print(str(e).split(" to have")[0])
-    fp8 dot_general: dot_general requires contracting dimensions
-  """
-  if preferred_element_type is not None and not jnp.issubdtype(
-      preferred_element_type, jnp.floating):
-    raise TypeError(
-        "fp8 dot_general: preferred_element_type must be a floating dtype"
-        f" (the FP8 product is a float), got {preferred_element_type!r}")
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  try:
-    jax.eval_shape(functools.partial(jax.lax.dot_general,
-                                     dimension_numbers=dims,
-                                     precision=precision), spec(lhs),
-                   spec(rhs))
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"fp8 dot_general: {e} (lhs shape {lhs.shape}, rhs shape"
-                  f" {rhs.shape}, dimension_numbers {dims})") from None
-
 
 # XLA:GPU runs a dot whose two operands hold fewer elements than this, batch
 # dimensions aside, in its loop emitter instead of a GEMM library

@@ -22,6 +22,7 @@ from jmp_lite import _flax_compat as compat
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
+from jmp_lite.fp4._recipes import RECIPES as _FP4_RECIPES
 from jmp_lite.policy import Policy
 
 Path = tuple[str, ...]
@@ -333,8 +334,7 @@ def _run_layer(module: nn.Module, resolved: _rules.Resolved,
   values = {"dtype": policy.compute_dtype,
             "param_dtype": creation_dtype(policy)}
   if resolved.fp8 is not None:
-    from jmp_lite.fp4._recipes import RECIPES as FP4_RECIPES
-    if isinstance(resolved.fp8, FP4_RECIPES):
+    if isinstance(resolved.fp8, _FP4_RECIPES):
       from jmp_lite.fp4 import linen as fp8_linen  # FP4: the same fields.
     else:
       from jmp_lite.fp8 import linen as fp8_linen  # Flax, on demand.

@@ -59,6 +59,7 @@ from jmp_lite import dtypes as _dtypes
 from jmp_lite import report as _report
 from jmp_lite import rules as _rules
 from jmp_lite._nnx_paths import child
+from jmp_lite.fp4._recipes import RECIPES as _FP4_RECIPES
 from jmp_lite.nnx import _call
 from jmp_lite.policy import Policy
 from jmp_lite.report import DtypeReport
@@ -360,11 +361,10 @@ def _install_fp8(modules: dict[Path, nnx.Module],
   if not ruled:
     return
   from jmp_lite.fp4 import nnx as fp4_nnx
-  from jmp_lite.fp4._recipes import RECIPES as FP4_RECIPES
   from jmp_lite.fp8 import nnx as fp8_nnx  # On demand: FP8 rules only.
   for path, module in ruled:
     recipe = resolved[path].fp8
-    dot = (fp4_nnx.dot_general_for(recipe) if isinstance(recipe, FP4_RECIPES)
+    dot = (fp4_nnx.dot_general_for(recipe) if isinstance(recipe, _FP4_RECIPES)
            else fp8_nnx.dot_general_for(recipe))
     # A Flax linear layer, which has a dot_general attribute (checked above).
     layer = cast(Any, module)
