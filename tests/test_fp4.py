@@ -11,10 +11,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.extend.core import Literal
 
 from jmp_lite import fp4
 from jmp_lite.fp4._dot import gemm
-from jmp_lite.fp4._quantize import quantize_blocks
+from jmp_lite.fp4._quantize import (
+  dequantize,
+  hadamard_signs,
+  quantize_blocks,
+  rotate,
+)
 
 F32 = np.float32
 DIMS = (((1,), (0,)), ((), ()))
@@ -422,3 +428,141 @@ def test_dimension_numbers_lax_refuses_are_refused(recipe):
   x, w = jnp.ones((32, 2)), jnp.ones((3, 32))
   with pytest.raises(TypeError, match="fp4 dot_general: .*contracting"):
     fp4.dot_general(recipe)(x, w, (((1,), (0,)), ((), ())))
+
+
+# --------------------------------- what each GEMM reads, from the jaxpr
+
+def _sources(jaxpr, tags_in, dots):
+  """Tags each variable with what it is computed from: the inputs' names,
+  ``"fp4"`` below a conversion to float4_e2m1fn, ``"rand"`` below random
+  bits; appends ``(operand shapes, operand tags)`` of every dot_general.
+  Calls (jit, custom rules) are followed into their jaxprs."""
+  env = dict(zip(jaxpr.invars, tags_in, strict=True))
+  get = lambda a: frozenset() if isinstance(a, Literal) else env.get(
+      a, frozenset())
+  for eqn in jaxpr.eqns:
+    tags = [get(a) for a in eqn.invars]
+    sub = next((v for v in eqn.params.values()
+                if hasattr(v, "eqns") or hasattr(v, "jaxpr")), None)
+    if sub is not None and eqn.primitive.name != "dot_general":
+      sub = getattr(sub, "jaxpr", sub)
+      outs = _sources(sub, tags[-len(sub.invars):], dots)
+    else:
+      out = frozenset().union(*tags)
+      name = eqn.primitive.name
+      if name == "convert_element_type" and (
+          eqn.params["new_dtype"] == jnp.float4_e2m1fn):
+        out |= {"fp4"}
+      if name in ("random_bits", "threefry2x32"):
+        out |= {"rand"}
+      if name == "dot_general":
+        dots.append(([a.aval.shape for a in eqn.invars], tags))
+      outs = [out] * len(eqn.outvars)
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [get(a) for a in jaxpr.outvars]
+
+
+@pytest.mark.parametrize("recipe", [NV, MX, fp4.MXFP4(hadamard=16),
+                                    fp4.NVFP4(hadamard=0)],
+                         ids=["nvfp4", "mxfp4", "mxfp4-h16", "nvfp4-h0"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["nokey", "key"])
+def test_every_gemm_reads_fp4_operands_and_only_gradients_are_random(
+    recipe, keyed):
+  x, w, g = data()
+  key = jax.random.key(0) if keyed else None
+
+  def step(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp4.dot_general(recipe, key)(x, w, DIMS),
+                     x, w)
+    return (y, *vjp(g))
+
+  dots = []
+  closed = jax.make_jaxpr(step)(x, w, g)
+  _sources(closed.jaxpr, [frozenset({n}) for n in "xwg"], dots)
+  # The transform's 16x16 products aside: forward, input and weight grad.
+  gemms = [tags for shapes, tags in dots if (16, 16) not in shapes]
+  assert len(dots) - len(gemms) == (2 if recipe.hadamard else 0)
+  (fx, fw), (dg, dw), (wg, wx) = gemms
+  assert fx == {"x", "fp4"} and fw == {"w", "fp4"}  # no key read
+  assert dw == {"w", "fp4"}
+  # The cotangent is rounded stochastically in both gradient GEMMs exactly
+  # when there is a key; with a transform, both weight-gradient operands
+  # also read its (random) signs, drawn from key(0) without a key.
+  assert dg == {"g", "fp4"} | ({"rand"} if keyed else set())
+  rotated = {"rand"} if recipe.hadamard else set()
+  assert wg == {"g", "fp4"} | rotated | ({"rand"} if keyed else set())
+  assert wx == {"x", "fp4"} | rotated
+
+
+# ------------------------------------------- the Hadamard transform itself
+
+def test_rotation_is_orthonormal_and_keeps_products():
+  signs = jax.random.rademacher(jax.random.key(3), (16,), jnp.float32)
+  m = np.asarray(rotate(jnp.eye(16), signs), np.float64)
+  # diag(signs) H / 4: entries +-1/4, orthonormal.
+  np.testing.assert_array_equal(np.abs(m), np.full((16, 16), 0.25))
+  np.testing.assert_allclose(m @ m.T, np.eye(16), atol=1e-7)
+  rng = np.random.default_rng(8)
+  a = rng.standard_t(2, size=(24, 40)).astype(F32)  # 40: padded to 48
+  b = rng.standard_t(2, size=(12, 40)).astype(F32)
+  ra, rb = (np.asarray(rotate(jnp.asarray(v), signs), np.float64)
+            for v in (a, b))
+  assert ra.shape == (24, 48)
+  exact = a.astype(np.float64) @ b.T.astype(np.float64)
+  np.testing.assert_allclose(ra @ rb.T, exact, rtol=1e-5,
+                             atol=1e-5 * np.abs(exact).max())
+
+
+def test_rotation_runs_at_float32_precision_everywhere():
+  """Before: a default-precision dot (bfloat16 passes on TPUs, TF32 on
+  recent GPUs), so the transform did not undo itself exactly there."""
+  signs = jnp.ones(16)
+  with jax.default_matmul_precision("bfloat16"):
+    text = str(jax.make_jaxpr(rotate)(jnp.ones((4, 32)), signs))
+  assert "Precision.HIGHEST" in text, text
+
+
+@pytest.mark.parametrize("recipe", [fp4.NVFP4(stochastic_gradients=False),
+                                    fp4.MXFP4(hadamard=16,
+                                              stochastic_gradients=False)],
+                         ids=["nvfp4", "mxfp4-h16"])
+def test_weight_gradient_quantises_the_rotated_operands(recipe):
+  # Token spikes: the transform spreads each over 16 tokens, so the rotated
+  # tensors' amax (NVFP4's tensor scale) is far below the raw ones'.
+  x, w, g = data(m=72)  # 72 tokens: padded to whole transform chunks
+  x = x.at[5].multiply(300.0)
+  g = g.at[40].multiply(300.0)
+  key = jax.random.key(11)
+  _, _, dw = grads(recipe, key, x, w, g)
+  signs = hadamard_signs(jax.random.split(key, 3)[2], 16)
+  rx, rg = (rotate(v.T, signs) for v in (x, g))
+  assert float(jnp.abs(rx).max()) < 0.5 * float(jnp.abs(x).max())
+  want = qdq(rx, recipe, 1) @ qdq(rg, recipe, 1, "gradient").T
+  np.testing.assert_allclose(dw, want, rtol=2e-5,
+                             atol=2e-5 * np.abs(want).max())
+  if isinstance(recipe, fp4.NVFP4):
+    # The tensor scale from the raw (unrotated) tensor gives other numbers.
+    def raw_scale(r, v):
+      t = quantize_blocks(r[None], recipe, amax=jnp.abs(v).max())
+      return np.asarray(dequantize(t, r.shape[1])[0], np.float64)
+    other = raw_scale(rx, x) @ raw_scale(rg, g).T
+    assert np.abs(other - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("recipe", [fp4.NVFP4(hadamard=0), MX],
+                         ids=["nvfp4", "mxfp4"])
+def test_both_gradient_gemms_round_the_cotangent_without_bias(recipe):
+  x, w, g = data()
+  keys = jax.random.split(jax.random.key(5), 512)
+  _, dx, dw = jax.vmap(lambda k: grads(recipe, k, x, w, g))(keys)
+  _, dx_rtn, dw_rtn = grads(recipe, None, x, w, g)
+  # The input gradient's weight: the forward's tiles, or blocks along N.
+  wq = qdq(w, recipe, 0 if recipe.weight_blocks else 1, "weight")
+  # The unrounded cotangent against the (deterministic) other operand.
+  dx_true = np.asarray(g, np.float64) @ wq.T
+  dw_true = qdq(x, recipe, 0).T @ np.asarray(g, np.float64)
+  for draws, rtn, true in ((dx, dx_rtn, dx_true), (dw, dw_rtn, dw_true)):
+    draws = np.asarray(draws, np.float64)
+    assert np.ptp(draws, axis=0).min() > 0  # every output varies
+    bias = np.abs(draws.mean(axis=0) - true).mean()
+    assert bias < 0.25 * np.abs(np.asarray(rtn, np.float64) - true).mean()

@@ -239,7 +239,11 @@ def rotate(x: jax.Array, signs: jax.Array) -> jax.Array:
   x = _pad_to(x.astype(_F32), x.ndim - 1, n)
   chunks = x.reshape(*x.shape[:-1], -1, n) * signs
   h = jnp.asarray(hadamard_matrix(n) / np.float32(math.sqrt(n)), _F32)
-  return (chunks @ h).reshape(x.shape)
+  # In float32 on every backend: at the default precision a TPU multiplies
+  # in bfloat16 and a recent GPU in TF32, and the two rotated operands' product
+  # would no longer be the unrotated one's.
+  out = jnp.matmul(chunks, h, precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(x.shape)
 
 
 def as_key(key: Any) -> jax.Array | None:
