@@ -495,6 +495,36 @@ def test_blocks_follow_the_last_axis():
     np.testing.assert_array_equal(qw.scales[:qp.scales.shape[0]], qp.scales)
 
 
+def test_max_reduction_stats_survive_a_recomputed_moment():
+  """The fused kernel's max/min reductions, in a program where XLA
+  computes the new moment once for the block's top and again for the match
+  (at the suite's optimisation level 0 the two differ by an ulp, and no
+  element equalled the top: the index ran past the block and the gathered
+  outlier was NaN). The outlier must stay in the block and finite."""
+  from jmp_lite.low_precision import _blockwise as bw
+  rng = np.random.default_rng(0)
+  old = bw.quantize(jnp.asarray(rng.standard_normal((256, 512)) * 1e-3),
+                    bits=8, block_size=256, signed=True, power=2.0)
+  grads = jnp.asarray(rng.standard_normal((256, 512)) * 1e-2, jnp.bfloat16)
+
+  @jax.jit
+  def encode(q, g):
+    m = 0.9 * bw.dequantize(q) + 0.1 * g.astype(jnp.float32)
+    return bw.encode_blocks(bw._blocks(m, 256), None, bits=8, signed=True,
+                            power=2.0, stats=bw.outlier_and_scale_max)
+
+  _, scales, outliers, where = encode(old, grads)
+  assert int(where.max()) < 256
+  assert np.isfinite(np.asarray(outliers)).all()
+  exact = np.asarray(bw._blocks(
+      0.9 * bw.dequantize(old) + 0.1 * grads.astype(jnp.float32), 256))
+  # The kept element is the block's largest (to within the recomputation's
+  # ulp), and the scale is the largest of the others.
+  top = np.abs(exact).max(-1)
+  np.testing.assert_allclose(np.abs(np.asarray(outliers)), top, rtol=1e-6)
+  np.testing.assert_array_less(np.asarray(scales), top * (1 + 1e-6))
+
+
 # ---------------------------------------------------------------- fidelity
 
 

@@ -222,10 +222,17 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   nan = jnp.isnan(mag)
   any_nan = jnp.any(nan, axis=-1, keepdims=True)
   top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
-  # ">=", not "==": XLA:CPU's max may flush a block of subnormals to a top
-  # of 0 that no element equals, and an index past the block gathered NaN.
-  hit = jnp.where(any_nan, nan, mag >= top)
-  where = jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1)
+  # Matched to within 2**-20, and the index clamped into the block: XLA may
+  # compute the new moment once for the top and again for the match (two
+  # fusions, an ulp apart at optimisation level 0), and XLA:CPU's max may
+  # flush a block of subnormals to a top of 0. An exact "==" then matched
+  # nothing, the index ran past the block and the gathered outlier was NaN.
+  # Any element near the top is a correct choice: the scale is the largest
+  # of the others, whichever is kept.
+  hit = jnp.where(any_nan, nan, mag >= top * np.float32(1 - 2**-20))
+  where = jnp.minimum(
+      jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1),
+      mag.shape[-1] - 1)
   at = index == where[..., None]
   # Gathered, not reduced: XLA:CPU's max flushes a subnormal to zero.
   outlier = jnp.take_along_axis(raw, where[..., None], axis=-1)[..., 0]
@@ -242,11 +249,11 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
   (index, outlier, scale) per block (default: per backend, below)."""
   # One variadic reduction: the fewest passes and bytes. On XLA:CPU it is a
-  # scalar loop: the 8-bit MLP step's update ran 1.8x as long as with the
-  # vectorised max/min reductions of outlier_and_scale_max (XLA's cost model
-  # counts five times their bytes), but those turned a training run's
-  # moments NaN at XLA's optimisation level 0 (unexplained): the variadic
-  # reduction everywhere until they are understood.
+  # scalar loop, but the max/min reductions of outlier_and_scale_max are no
+  # faster there: XLA:CPU hands float reductions to YNNPACK, which reads a
+  # materialised input, so each of the three writes and reads the new
+  # moment: 4.5x the bytes in XLA's cost model, and the full donated train
+  # step (benchmarks/quantized_step_cost.py) no faster.
   stats = stats or outlier_and_scale
   # The outlier and scale of an unsigned block are found on v, not on
   # sqrt(v) (sqrt is monotone, so the scale is the same): a reduction that
