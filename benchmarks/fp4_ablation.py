@@ -7,10 +7,15 @@ the embedding and the logits layer stay bfloat16, as the recipe keeps its
 first and last layers high. Each step draws a fresh key for the FP4 layers.
 Rows: bfloat16; the full NVFP4 recipe; NVFP4 without stochastic rounding,
 without the Hadamard transform, without 2-D weight tiles; NVFP4 with a
-bfloat16 weight gradient (``PerDirection``); MXFP4. Printed: the held-out
-loss (mean over ``--seeds``) and its gap to bfloat16's, as a Markdown table.
+bfloat16 weight gradient (``PerDirection``); MXFP4. Printed, as a
+Markdown table: the held-out loss (mean and standard deviation over
+``--seeds``), and each row's gap to bfloat16's and to full NVFP4's, paired
+by seed (same initialisation and batches), as mean and standard error: the
+seed-to-seed spread of the loss itself is as large as the gaps, the paired
+gaps' much smaller.
 
-``python benchmarks/fp4_ablation.py [--steps 300] [--seeds 2]``
+``python benchmarks/fp4_ablation.py [--steps 300] [--seeds 2]
+[--recipes NVFP4 MXFP4]``
 """
 
 from __future__ import annotations
@@ -109,27 +114,55 @@ def char_lm(recipe: Any, *, steps: int, lr: float = 3e-4, seq: int = 32,
   return result.eval_loss, result.accuracy
 
 
+def paired(gaps: list[float]) -> str:
+  """``mean +- standard error`` of per-seed percentage gaps."""
+  mean = float(np.mean(gaps))
+  if len(gaps) < 2:
+    return f"{mean:+.2f}%"
+  se = float(np.std(gaps, ddof=1)) / np.sqrt(len(gaps))
+  return f"{mean:+.2f} ± {se:.2f}%"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--seeds", type=int, default=2)
+  parser.add_argument("--recipes", nargs="+", default=list(RECIPES),
+                      help="the rows to run (bfloat16 always runs)")
   args = parser.parse_args()
-  rows = []
-  for name, recipe in RECIPES.items():
+  names = ["bfloat16", *(n for n in args.recipes if n != "bfloat16")]
+  unknown = [n for n in names if n not in RECIPES]
+  if unknown:
+    parser.error(f"unknown recipes {unknown}; expected some of {list(RECIPES)}")
+  losses, accs, secs = {}, {}, {}
+  for name in names:
     start = time.perf_counter()
-    runs = [char_lm(recipe, steps=args.steps, seed=s)
+    runs = [char_lm(RECIPES[name], steps=args.steps, seed=s)
             for s in range(args.seeds)]
-    loss = float(np.mean([r[0] for r in runs]))
-    acc = float(np.mean([r[1] for r in runs]))
-    rows.append((name, loss, acc, time.perf_counter() - start))
-  ref = rows[0][1]
-  print(f"char-LM, {args.steps} steps, mean of {args.seeds} seeds,"
+    losses[name] = [r[0] for r in runs]
+    accs[name] = float(np.mean([r[1] for r in runs]))
+    secs[name] = time.perf_counter() - start
+
+  def gaps(name: str, ref: str) -> list[float]:
+    # Per seed: both runs share the initialisation and the batches.
+    return [100 * (a / b - 1) for a, b in zip(losses[name], losses[ref],
+                                               strict=True)]
+
+  print(f"char-LM, {args.steps} steps, {args.seeds} seeds (mean ± std of the"
+        " loss; gaps per seed, mean ± standard error),"
         f" {jax.default_backend()}")
-  print("| recipe | held-out loss | vs bfloat16 | accuracy | seconds |")
-  print("| --- | --- | --- | --- | --- |")
-  for name, loss, acc, secs in rows:
-    print(f"| {name} | {loss:.4f} | {100 * (loss / ref - 1):+.2f}% |"
-          f" {acc:.4f} | {secs:.0f} |")
+  nv = "NVFP4" if "NVFP4" in losses else None
+  print("| recipe | held-out loss | vs bfloat16 | vs NVFP4 | accuracy |"
+        " seconds |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for name in names:
+    loss = losses[name]
+    spread = f" ± {np.std(loss, ddof=1):.4f}" if len(loss) > 1 else ""
+    vs_bf16 = "" if name == "bfloat16" else paired(gaps(name, "bfloat16"))
+    vs_nv = "" if nv is None or name in ("bfloat16", nv) else paired(
+        gaps(name, nv))
+    print(f"| {name} | {np.mean(loss):.4f}{spread} | {vs_bf16} | {vs_nv} |"
+          f" {accs[name]:.4f} | {secs[name]:.0f} |")
 
 
 if __name__ == "__main__":
