@@ -42,8 +42,27 @@ def _flag(value: Any, what: str) -> bool:
   return bool(value)
 
 
+def _check_common(recipe: Any) -> None:
+  """Validates (and normalises) the fields NVFP4 and MXFP4 share."""
+  object.__setattr__(recipe, "block_size",
+                     _int(recipe.block_size, "block_size", 1))
+  object.__setattr__(recipe, "hadamard", _hadamard(recipe.hadamard))
+  object.__setattr__(recipe, "stochastic_gradients",
+                     _flag(recipe.stochastic_gradients,
+                           "stochastic_gradients"))
+
+
+class _E2M1Operands:
+  """What every FP4 recipe tells autocast: its operands are E2M1."""
+
+  @property
+  def fwd_dtype(self) -> np.dtype:
+    """The operands' element format, E2M1 (autocast's audit logs it)."""
+    return E2M1
+
+
 @dataclasses.dataclass(frozen=True)
-class NVFP4:
+class NVFP4(_E2M1Operands):
   """NVIDIA's NVFP4 training recipe (arXiv 2509.25149).
 
   E2M1 elements in ``block_size``-element blocks, one E4M3 scale per block
@@ -96,8 +115,8 @@ class NVFP4:
   """The block scales' format (with a float32 scale per tensor)."""
 
   def __post_init__(self) -> None:
-    size = _int(self.block_size, "block_size", 1)
-    object.__setattr__(self, "block_size", size)
+    _check_common(self)
+    size = self.block_size
     tiles = self.weight_blocks
     if tiles is not None:
       if not isinstance(tiles, (tuple, list)) or len(tiles) != 2:
@@ -110,19 +129,10 @@ class NVFP4:
             f" {size}) or None, got {tiles}: the input-gradient GEMM reads"
             " the forward's tiles along their other edge")
     object.__setattr__(self, "weight_blocks", tiles)
-    object.__setattr__(self, "hadamard", _hadamard(self.hadamard))
-    object.__setattr__(self, "stochastic_gradients",
-                       _flag(self.stochastic_gradients,
-                             "stochastic_gradients"))
-
-  @property
-  def fwd_dtype(self) -> np.dtype:
-    """The operands' element format, E2M1 (autocast's audit logs it)."""
-    return E2M1
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP4:
+class MXFP4(_E2M1Operands):
   """OCP microscaling FP4: E2M1 elements, power-of-two (E8M0) block scales.
 
   Each ``block_size`` elements along a GEMM's contraction share the scale
@@ -156,24 +166,14 @@ class MXFP4:
   """Always 1-D weight blocks."""
 
   def __post_init__(self) -> None:
-    object.__setattr__(self, "block_size",
-                       _int(self.block_size, "block_size", 1))
-    object.__setattr__(self, "hadamard", _hadamard(self.hadamard))
-    object.__setattr__(self, "stochastic_gradients",
-                       _flag(self.stochastic_gradients,
-                             "stochastic_gradients"))
-
-  @property
-  def fwd_dtype(self) -> np.dtype:
-    """The operands' element format, E2M1 (autocast's audit logs it)."""
-    return E2M1
+    _check_common(self)
 
 
 Format = NVFP4 | MXFP4
 
 
 @dataclasses.dataclass(frozen=True)
-class PerDirection:
+class PerDirection(_E2M1Operands):
   """A format per GEMM: forward, input gradient, weight gradient.
 
   ``None`` runs that GEMM in the operands' own dtype (bfloat16, say), so
@@ -210,11 +210,6 @@ class PerDirection:
     if self.forward is self.input_grad is self.weight_grad is None:
       raise ValueError("PerDirection needs an FP4 format for at least one"
                        " GEMM; for none, use jax.lax.dot_general itself")
-
-  @property
-  def fwd_dtype(self) -> np.dtype:
-    """The operands' element format, E2M1 (autocast's audit logs it)."""
-    return E2M1
 
 Recipe = NVFP4 | MXFP4 | PerDirection
 
