@@ -612,7 +612,7 @@ def test_weight_gradient_quantises_the_rotated_operands(recipe):
                          ids=["nvfp4", "mxfp4"])
 def test_both_gradient_gemms_round_the_cotangent_without_bias(recipe):
   x, w, g = data()
-  keys = jax.random.split(jax.random.key(5), 512)
+  keys = jax.random.split(jax.random.key(5), 256)
   _, dx, dw = jax.vmap(lambda k: grads(recipe, k, x, w, g))(keys)
   _, dx_rtn, dw_rtn = grads(recipe, None, x, w, g)
   # The input gradient's weight: the forward's tiles, or blocks along N.
@@ -624,4 +624,7 @@ def test_both_gradient_gemms_round_the_cotangent_without_bias(recipe):
     draws = np.asarray(draws, np.float64)
     assert np.ptp(draws, axis=0).min() > 0  # every output varies
     bias = np.abs(draws.mean(axis=0) - true).mean()
+    # Measured 0.09 (MXFP4) and 0.15 (NVFP4) of nearest rounding's error:
+    # 256 draws' noise, and for NVFP4 a block scale that E4M3 rounds down
+    # saturates the block's largest value at 6 whatever the rounding.
     assert bias < 0.25 * np.abs(np.asarray(rtn, np.float64) - true).mean()
