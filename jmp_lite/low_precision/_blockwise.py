@@ -179,6 +179,11 @@ def _saturated(mag: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(mag), 0.0, jnp.minimum(mag, _F32_MAX))
 
 
+_INF_BITS = np.int32(0x7F800000)
+_MAX_BITS = np.int32(0x7F7FFFFF)
+_NAN_BITS = np.int32(0x7FC00000)
+
+
 def outlier_and_scale(mag: jax.Array, raw: jax.Array
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per block (last axis): the index of the largest magnitude (NaN counts
@@ -186,30 +191,30 @@ def outlier_and_scale(mag: jax.Array, raw: jax.Array
   value there, and the largest magnitude of the other elements
   (:func:`_saturated`; 0 if none), in one variadic reduction."""
   index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
-
-  def larger(a: jax.Array, i: jax.Array, b: jax.Array,
-             j: jax.Array) -> jax.Array:
-    # a wins over b: NaN above everything, then the larger, then the first.
-    a_nan, b_nan = jnp.isnan(a), jnp.isnan(b)
-    return jnp.where(a_nan | b_nan, a_nan & (~b_nan | (i < j)),
-                     (a > b) | ((a == b) & (i < j)))
+  # Magnitudes compared as their bits: for non-negative floats integer
+  # order is float order, and a canonical NaN sits above inf. The reducer
+  # then needs no NaN tests (it runs once per element: XLA:CPU runs a
+  # variadic reduction as a scalar loop, and its cost model counts it).
+  bits = jax.lax.bitcast_convert_type(mag, jnp.int32) & np.int32(0x7FFFFFFF)
+  key = jnp.where(jnp.isnan(mag), _NAN_BITS, bits)
 
   def combine(left: tuple[jax.Array, ...], right: tuple[jax.Array, ...]
               ) -> tuple[jax.Array, ...]:
-    m1, i1, r1, f1 = left
-    m2, i2, r2, f2 = right
-    first = larger(m1, i1, m2, i2)
-    lost = jnp.where(first, m2, m1)
-    rest = jnp.maximum(jnp.maximum(f1, f2), _saturated(lost))
-    return (jnp.where(first, m1, m2), jnp.where(first, i1, i2),
-            jnp.where(first, r1, r2), rest)
+    k1, i1, r1, f1 = left
+    k2, i2, r2, f2 = right
+    first = (k1 > k2) | ((k1 == k2) & (i1 < i2))
+    lost = jnp.where(first, k2, k1)
+    # The loser as the scale counts it (_saturated): NaN 0, inf the largest.
+    lost = jnp.where(lost > _INF_BITS, np.int32(0),
+                     jnp.minimum(lost, _MAX_BITS))
+    return (jnp.where(first, k1, k2), jnp.where(first, i1, i2),
+            jnp.where(first, r1, r2), jnp.maximum(jnp.maximum(f1, f2), lost))
 
-  init = (np.float32(-np.inf), np.int32(2**31 - 1), np.float32(0.0),
-          np.float32(0.0))
+  init = (np.int32(-1), np.int32(2**31 - 1), np.float32(0.0), np.int32(0))
   _, where, outliers, rest = jax.lax.reduce(
-      (mag, index, raw, jnp.zeros_like(mag)),
+      (key, index, raw, jnp.zeros_like(key)),
       tuple(np.asarray(v) for v in init), combine, (mag.ndim - 1,))
-  return where, outliers, rest
+  return where, outliers, jax.lax.bitcast_convert_type(rest, jnp.float32)
 
 
 def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
@@ -285,8 +290,9 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   # x * (1 / s)), and a block of 1e37s would come back as zeros.
   root = jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
   inv_root = 1.0 / root
+  # An infinite element clips to 1 (inv_root is never 0: 1 / sqrt of
+  # float32's largest is a normal number).
   unit = jnp.clip((mag * inv_root) * inv_root, 0.0, 1.0)
-  unit = jnp.where(jnp.isinf(mag), 1.0, unit)
   companded = _root(unit, power)
   if signed:
     top = 2 ** (bits - 1) - 1
@@ -298,9 +304,10 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
       low = jnp.clip(jnp.floor(companded * top), 0, top - 1)
       below = _pow(low / top, power)
       above = _pow((low + 1) / top, power)
-      up = noise < (unit - below) / (above - below)
+      # noise < (unit - below) / gap, without the division.
+      up = noise * (above - below) < unit - below
       magnitude = low + up
-    k = magnitude * jnp.where(blocks < 0, -1.0, 1.0) + top
+    k = jnp.where(blocks < 0, top - magnitude, top + magnitude)
   else:
     levels = 2**bits
     if noise is None:
@@ -313,7 +320,7 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
       low = jnp.clip(jnp.floor(companded * levels) - 1.0, 0, levels - 2)
       below = _pow((low + 1) / levels, power)
       above = _pow((low + 2) / levels, power)
-      up = noise < (unit - below) / (above - below)
+      up = noise * (above - below) < unit - below
       k = low + up
   return k, scales, outliers, where
 
@@ -395,29 +402,47 @@ def decode_blocks(k: jax.Array, scale: jax.Array, *, bits: int,
   last axis) and ``scale`` (one per block, broadcastable): the map
   ``form_signed`` (a traced bool; ``None``: ``signed``) says, each block's
   outlier put back at ``where``, all NaN unless ``ok``."""
+  top = 2 ** (bits - 1) - 1
+  levels = 2**bits
+  # Each map's power: this leaf's for its own map, the default for the other.
+  p_signed = power if signed else POWERS[(bits, True)]
+  p_unsigned = POWERS[(bits, False)] if signed else power
+  if ok is not None:
+    # Per block, not per element: NaN scales and outliers make every
+    # element NaN (0 * NaN included) at no cost in the elementwise decode.
+    scale = jnp.where(ok, scale, jnp.nan)
+    if outliers is not None:
+      outliers = jnp.where(ok, outliers, jnp.nan)
 
-  def signed_map() -> jax.Array:
-    top = 2 ** (bits - 1) - 1
-    signed_k = k - top
-    p = power if signed else POWERS[(bits, True)]
-    return jnp.sign(signed_k) * _pow(jnp.abs(signed_k) / top, p) * scale
+  def signed_map(a: jax.Array) -> jax.Array:
+    # sign(a) * |a| ** p * scale, with a = (k - top) / top in [-1, 1].
+    if p_signed == 1.0:
+      return a * scale
+    if p_signed == 2.0:
+      return a * jnp.abs(a) * scale
+    return jnp.sign(a) * _pow(jnp.abs(a), p_signed) * scale
 
-  def unsigned_map() -> jax.Array:
-    p = POWERS[(bits, False)] if signed else power
-    root = _pow((k + 1.0) / 2**bits, p) * scale
+  def unsigned_map(a: jax.Array) -> jax.Array:
+    # (a ** p * scale) ** 2, with a = (k + 1) / 2**bits in (0, 1].
+    root = _pow(a, p_unsigned) * scale
     return root * root
 
   if form_signed is None:
-    y = signed_map() if signed else unsigned_map()
+    y = (signed_map((k - top) * (1.0 / top)) if signed
+         else unsigned_map((k + 1.0) * (1.0 / levels)))
   else:
     # Read with the map the codes were written with (a restore into another
-    # ``unsigned=`` converts on the next step).
-    y = jnp.where(form_signed, signed_map(), unsigned_map())
+    # ``unsigned=`` converts on the next step). The code's affine map is
+    # shared, its two constants picked per leaf, so that only the maps'
+    # last few products are computed twice per element.
+    offset = jnp.where(form_signed, np.float32(-top), np.float32(1.0))
+    step = jnp.where(form_signed, np.float32(1.0 / top),
+                     np.float32(1.0 / levels))
+    a = (k + offset) * step
+    y = jnp.where(form_signed, signed_map(a), unsigned_map(a))
   if outliers is not None:
     index = jax.lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
     y = jnp.where(index == where[..., None], outliers[..., None], y)
-  if ok is not None:
-    y = jnp.where(ok, y, jnp.nan)
   return y
 
 
