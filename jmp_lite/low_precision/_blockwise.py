@@ -163,8 +163,25 @@ def _root(x: jax.Array, power: float) -> jax.Array:
     return x
   if power == 2.0:
     return jnp.sqrt(x)
-  # No cube root: XLA:CPU's cbrt costs four times its pow.
+  if power == 3.0:
+    return _cube_root(x)
   return x ** (1.0 / power)
+
+
+def _cube_root(x: jax.Array) -> jax.Array:
+  """``x ** (1 / 3)`` for ``x`` in [0, 1], within 2e-6 (``pow``: 7e-7):
+  a first guess from the float's bits (its exponent divided by 3), then two
+  Newton steps. ``pow`` (``exp(log(x) / 3)``) took a fifth of the 8-bit
+  optimizer step on XLA:CPU, and XLA:CPU's ``cbrt`` costs four times it.
+  0 comes back below 1e-13, which every map rounds to its lowest code."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32).astype(F32)
+  y = jax.lax.bitcast_convert_type(
+      (bits * np.float32(1 / 3)).astype(jnp.int32) + np.int32(709921077),
+      F32)
+  third = x * np.float32(1 / 3)
+  for _ in range(2):
+    y = np.float32(2 / 3) * y + third / (y * y)
+  return y
 
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
