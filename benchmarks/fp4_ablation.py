@@ -2,13 +2,14 @@
 
 Trains the one-block character Transformer of ``jmp_lite.examples`` (the
 task of the FP8 fidelity tests: bfloat16 compute, float32 params, Adam 3e-4
-for 300 steps) with the q/k/v/out projections and both MLP layers in FP4;
-the embedding and the logits layer stay bfloat16, as the recipe keeps its
-first and last layers high. Each step draws a fresh key for the FP4 layers.
-Rows: bfloat16; the full NVFP4 recipe; NVFP4 without stochastic rounding,
-without the Hadamard transform, without 2-D weight tiles; NVFP4 with a
-bfloat16 weight gradient (``PerDirection``); MXFP4. Printed, as a
-Markdown table: the held-out loss (mean and standard deviation over
+for ``--steps``, 300 by default) with the q/k/v/out projections and both MLP
+layers in FP4; the embedding and the logits layer stay bfloat16, as the
+recipe keeps its first and last layers high. Each step draws a fresh key for
+the FP4 layers. Rows: bfloat16; the full NVFP4 recipe; NVFP4 without
+stochastic rounding, without the Hadamard transform, without 2-D weight
+tiles; NVFP4 with a bfloat16 weight gradient (``PerDirection``); MXFP4;
+NVFP4 and MXFP4 in the forward GEMM only (bfloat16 gradient GEMMs). Printed,
+as a Markdown table: the held-out loss (mean and standard deviation over
 ``--seeds``), and each row's gap to bfloat16's and to full NVFP4's, paired
 by seed (same initialisation and batches), as mean and standard error: the
 seed-to-seed spread of the loss itself is as large as the gaps, the paired
@@ -40,6 +41,10 @@ RECIPES: dict[str, Any] = {
     "NVFP4 - 2-D weight tiles": fp4.NVFP4(weight_blocks=None),
     "NVFP4, bf16 weight gradient": fp4.PerDirection(NV, NV, None),
     "MXFP4": fp4.MXFP4(),
+    # How much of each format's gap is its forward GEMM's (both gradient
+    # GEMMs in bfloat16).
+    "NVFP4 forward only": fp4.PerDirection(NV, None, None),
+    "MXFP4 forward only": fp4.PerDirection(fp4.MXFP4(), None, None),
 }
 
 
