@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -218,8 +219,9 @@ def test_fine_granularities_keep_the_rows_an_outlier_ruins_per_tensor():
   ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   rows = np.arange(16) != 3
   cols = slice(32, None)  # Away from the weight's outlier block.
-  errs = {name: rel_err(np.asarray(dot(r, x, w))[rows][:, cols],
-                        ref[rows][:, cols]) for name, r in ALL.items()}
+  errs = {name: rel_err(
+      np.asarray(jax.jit(functools.partial(dot, r))(x, w))[rows][:, cols],
+      ref[rows][:, cols]) for name, r in ALL.items()}
   assert errs["tensor"] > 0.5, errs  # Small values flushed to zero.
   for name in FINE:
     # E4M3's 3 mantissa bits: a few percent at most.
@@ -247,7 +249,7 @@ def test_gradients_inside_shard_map_equal_the_unmapped_ones(name):
 
   got = jax.jit(jax.shard_map(mapped, mesh=mesh, in_specs=(P("data"), P()),
                               out_specs=(P("data"), P())))(x, w)
-  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -260,8 +262,11 @@ def test_gradients_are_close_to_float32_s(name):
   def loss(dot_fn, x, w):
     return jnp.sum((dot_fn(x, w, MATMUL) - t) ** 2)
 
-  got = jax.grad(loss, argnums=(1, 2))(fp8.dot_general(recipe), x, w)
-  want = jax.grad(loss, argnums=(1, 2))(jax.lax.dot_general, x, w)
+  # Under jit: eagerly each op of the quantisation compiles alone (the eager
+  # path is checked against the jitted one in test_jit_vmap_and_dtypes).
+  grad = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=0)
+  got = grad(fp8.dot_general(recipe), x, w)
+  want = grad(jax.lax.dot_general, x, w)
   for g, r in zip(got, want, strict=True):
     assert g.dtype == jnp.float32
     assert 0 < rel_err(g, r) < 0.1
@@ -319,7 +324,7 @@ def test_block_scales_are_per_tile():
 def test_sizes_not_multiples_of_the_block(name, shape):
   # Partial edge tiles (block) and zero-padded contracting blocks (MX).
   x, w = normal(5, shape[0]), normal(6, shape[1])
-  got = dot(FINE[name], x, w)
+  got = jax.jit(functools.partial(dot, FINE[name]))(x, w)
   assert got.shape == (shape[0][0], shape[1][1])
   assert rel_err(got, x @ w) < 0.1
 
@@ -331,13 +336,15 @@ def test_any_dimension_numbers(name):
   x, w = normal(7, (2, 3, 5, 20)), normal(8, (2, 20, 5, 4))
   dims = (((2, 3), (2, 1)), ((0,), (0,)))
   want = jax.lax.dot_general(x, w, dims)
-  got = fp8.dot_general(recipe)(x, w, dims)
+  fp8_dot = lambda x, w: fp8.dot_general(recipe)(x, w, dims)
+  got = jax.jit(fp8_dot)(x, w)
   assert got.shape == want.shape == (2, 3, 4)
   assert rel_err(got, want) < 0.1
-  gx, gw = jax.grad(lambda x, w: fp8.dot_general(recipe)(x, w, dims).sum(),
-                    argnums=(0, 1))(x, w)
-  rx, rw = jax.grad(lambda x, w: jax.lax.dot_general(x, w, dims).sum(),
-                    argnums=(0, 1))(x, w)
+  gx, gw = jax.jit(jax.grad(lambda x, w: fp8_dot(x, w).sum(),
+                            argnums=(0, 1)))(x, w)
+  rx, rw = jax.jit(jax.grad(
+      lambda x, w: jax.lax.dot_general(x, w, dims).sum(), argnums=(0, 1)))(
+          x, w)
   assert rel_err(gx, rx) < 0.1 and rel_err(gw, rw) < 0.1
 
 
