@@ -104,8 +104,10 @@ print("ok page")
 """
 
 
+# tests/test_docs_pages.py runs the page by default (on the 8 devices it asks
+# for); this second run on 4 devices is in the slow set.
+@pytest.mark.slow
 def test_docs_page_runs_on_four_devices():
-  # tests/test_readme.py runs the page on this process's one device.
   proc = subprocess.run([sys.executable, "-c", RUN_PAGE], capture_output=True,
                         text=True, cwd=ROOT, env=multidevice_env(4),
                         timeout=TIMEOUT)

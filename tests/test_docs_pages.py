@@ -60,8 +60,10 @@ PAGE_CHECKS: dict[str, tuple[int, tuple[str, ...]]] = {
     "low_precision": (3, ()),
 }
 # Pages whose run takes over 10 s on a 2-core machine (the others take 1-7 s
-# each, measured alone).
-SLOW_PAGES = {"fp8", "fp4"}
+# each, measured alone); what their examples do is tested by default in the
+# modules' own tests (test_step.py, test_linen.py and test_nnx.py,
+# test_low_precision.py, test_fp8*.py, test_fp4*.py).
+SLOW_PAGES = {"fp8", "fp4", "flax", "train_step", "low_precision"}
 
 
 def _python_blocks(path: Path) -> list[str]:

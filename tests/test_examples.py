@@ -25,7 +25,9 @@ RUNS = {
     "linen_bf16_loss_scaling.py": (20, False),
     "nnx_float16_dynamic_scaling.py": (20, False),
     "equinox_mlp.py": (20, False),
-    "pure_bf16_8bit_states.py": (20, False),
+    # 8-bit states' layout and bytes are checked by default in
+    # tests/test_quantized_states.py; the script's run goes to the slow set.
+    "pure_bf16_8bit_states.py": (20, True),
     "fp8_transformer.py": (8, True),
     "data_parallel_shard_map.py": (10, True),
     "checkpoint_resume_orbax.py": (10, True),

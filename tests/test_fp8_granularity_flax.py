@@ -46,11 +46,13 @@ def test_linen_dense_model_runs_with_fp8_matmuls(name):
   model = Mlp(RECIPES[name])
   params = model.init(jax.random.key(0), X)
   assert list(params) == ["params"]  # Stateless: no fp8 collection.
-  ref = Mlp(fp8.CurrentScaling()).apply(params, X)
+  # The FP8 models under jit: eagerly each op of the quantisation compiles
+  # alone.
+  ref = jax.jit(Mlp(fp8.CurrentScaling()).apply)(params, X)
   p = params["params"]
   hidden = jnp.asarray(nn.Dense(40).apply({"params": p["Dense_0"]}, X))
   exact = nn.Dense(8).apply({"params": p["Dense_1"]}, jax.nn.relu(hidden))
-  assert rel_err(model.apply(params, X), exact) < 0.1
+  assert rel_err(jax.jit(model.apply)(params, X), exact) < 0.1
   assert rel_err(ref, exact) < 0.1
   loss = lambda p: jnp.sum(jnp.asarray(model.apply(p, X)) ** 2)
   assert len(all_fp8(jax.make_jaxpr(jax.grad(loss))(params))) == 6
@@ -80,7 +82,7 @@ def test_nnx_linear_model_runs_with_fp8_matmuls(name):
   def loss(state):
     return jnp.sum(nnx.merge(graphdef, state)(X) ** 2)
 
-  grads = jax.grad(loss)(state)
+  grads = jax.jit(jax.grad(loss))(state)  # Eagerly each op compiles alone.
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   assert len(all_fp8(jax.make_jaxpr(jax.grad(loss))(state))) == 6
 
@@ -111,7 +113,7 @@ def test_a_policy_rule_takes_mxfp8():
   """Rule(nn.Dense, MXFP8()) was refused (rules knew two recipe classes)."""
   model = jl.mixed_precision(nn.Dense(64), "p=f32,c=bf16,o=f32",
                              rules=[(nn.Dense, jmp_lite.fp8.MXFP8())])
-  variables = model.init(jax.random.key(0), jnp.ones((2, 64)))
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.ones((2, 64)))
   jaxpr = str(jax.make_jaxpr(
       lambda v: model.apply(v, jnp.ones((2, 64))))(variables))
   assert "f8_e4m3fn" in jaxpr
