@@ -15,6 +15,7 @@ import jmp_lite.fp4.linen as fp4_linen
 import jmp_lite.fp4.nnx as fp4_nnx
 import jmp_lite.linen as jl
 import jmp_lite.nnx as jnnx
+import jmp_lite.rules
 from jmp_lite import fp4
 
 NV = fp4.NVFP4()
@@ -45,13 +46,13 @@ def test_linen_dense_draws_keys_from_the_fp4_stream():
   @jax.jit
   def grad(variables, key):
     rngs = {} if key is None else {"fp4": key}
-    return jax.grad(lambda v: model.apply(v, X, rngs=rngs).astype(
-        jnp.float32).sum())(variables)
+    return jax.grad(lambda v: jnp.asarray(model.apply(
+        v, X, rngs=rngs), jnp.float32).sum())(variables)
 
   assert fp4_casts(lambda v: model.apply(v, X), variables) == 2
   # Backward: the cotangent (input gradient), both weight-gradient inputs.
-  assert fp4_casts(jax.grad(lambda v: model.apply(v, X).astype(
-      jnp.float32).sum()), variables) == 2 + 3
+  assert fp4_casts(jax.grad(lambda v: jnp.asarray(
+      model.apply(v, X), jnp.float32).sum()), variables) == 2 + 3
   a, b = grad(variables, jax.random.key(1)), grad(variables, jax.random.key(2))
   kernel = lambda g: np.asarray(g["params"]["Dense_0"]["kernel"])
   assert not np.array_equal(kernel(a), kernel(b))
