@@ -244,13 +244,10 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   nan = jnp.isnan(mag)
   any_nan = jnp.any(nan, axis=-1, keepdims=True)
   top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
-  # Matched to within 2**-20, and the index clamped into the block: XLA may
-  # compute the new moment once for the top and again for the match (two
-  # fusions, an ulp apart at optimisation level 0), and XLA:CPU's max may
-  # flush a block of subnormals to a top of 0. An exact "==" then matched
-  # nothing, the index ran past the block and the gathered outlier was NaN.
-  # Any element near the top is a correct choice: the scale is the largest
-  # of the others, whichever is kept.
+  # Within 2**-20 and clamped into the block: XLA may compute the moment
+  # for the top and for the match in two fusions, an ulp apart, and an
+  # exact "==" matched nothing (the index ran past the block: a NaN
+  # outlier). Any element near the top will do: the scale is the others'.
   hit = jnp.where(any_nan, nan, mag >= top * np.float32(1 - 2**-20))
   where = jnp.minimum(
       jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1),
@@ -270,12 +267,9 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   of float32 blocks ``raw`` (blocks along the last axis); what
   :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
   (index, outlier, scale) per block (default: per backend, below)."""
-  # One variadic reduction: the fewest passes and bytes. On XLA:CPU it is a
-  # scalar loop, but the max/min reductions of outlier_and_scale_max are no
-  # faster there: XLA:CPU hands float reductions to YNNPACK, which reads a
-  # materialised input, so each of the three writes and reads the new
-  # moment: 4.5x the bytes in XLA's cost model, and the full donated train
-  # step (benchmarks/quantized_step_cost.py) no faster.
+  # One variadic reduction: the fewest passes and bytes, a scalar loop on
+  # XLA:CPU. outlier_and_scale_max is no faster there: YNNPACK's reductions
+  # read a materialised input (4.5x the bytes; full step no faster).
   stats = stats or outlier_and_scale
   # The outlier and scale of an unsigned block are found on v, not on
   # sqrt(v) (sqrt is monotone, so the scale is the same): a reduction that
@@ -381,11 +375,8 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
       scale_dtype=scale_dtype)
   codes = _unblock(k.astype(jnp.uint8), y.shape, block_size)
   if bits == 4:
-    # Pairs of codes read as one uint16 (low byte first: every JAX backend
-    # is little-endian, and the round-trip tests would see a swap), not as two
-    # stride-2 slices: packed by slices, XLA:CPU ran the whole encoding
-    # fused into the packing as scalar code, 4.5x the 8-bit optimizer
-    # step's time (204 against 63 ms); read as pairs, 58 ms.
+    # Pairs read as one little-endian uint16, not as stride-2 slices, which
+    # made XLA:CPU run the whole encoding fused into them as scalar code.
     if n % 2:
       codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
     pairs = jax.lax.bitcast_convert_type(
