@@ -160,15 +160,15 @@ def _skips_and_restores(problem: Any, bits: int, block: int) -> None:
       jmp_lite.loss_scaled(optax.adam(1e-2), jmp_lite.NoOpLossScale()),
       bits=bits, block_size=block)
 
+  @jax.jit  # Once per example: each run reuses the compiled step.
+  def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
   def run(p: Any, state: Any, grads: list[Any]) -> tuple[Any, Any]:
-    step = jax.jit(lambda p, s, g: _step(opt, p, s, g))
     for g in grads:
       p, state = step(p, state, {"w": g})
     return p, state
-
-  def _step(o: Any, p: Any, s: Any, g: Any) -> tuple[Any, Any]:
-    u, s = o.update(g, s, p)
-    return optax.apply_updates(p, u), s
 
   finite = [g for g in steps if np.isfinite(g).all()]
   p0 = jax.tree.map(jnp.asarray, params)

@@ -165,8 +165,9 @@ def test_nearest_rounding_is_deterministic_and_has_no_stream():
     opt = jmp_lite.quantized_states(optax.adam(1e-3), rounding="nearest",
                                     seed=seed)
     state = opt.init(params)
+    update = jax.jit(opt.update)
     for i in range(3):
-      state = opt.update(_grads(i, jnp.float32), state, params)[1]
+      state = update(_grads(i, jnp.float32), state, params)[1]
     states.append(_quantized(state))
   chex.assert_trees_all_equal(*states)
   # Stochastic codes depend on the seed, and the counter moves per step.
@@ -487,8 +488,9 @@ def test_blocks_follow_the_last_axis():
             "w2": jax.random.normal(k2, (288, 16), jnp.bfloat16)}
   grads = jax.tree.map(lambda p: (p * 1e-2).astype(p.dtype), params)
   first = lambda t: jax.tree.map(lambda x: x[: x.shape[0] // 2], t)
-  whole = opt.update(grads, opt.init(params), params)[1]
-  part = opt.update(first(grads), opt.init(first(params)), first(params))[1]
+  update = jax.jit(opt.update)
+  whole = update(grads, opt.init(params), params)[1]
+  part = update(first(grads), opt.init(first(params)), first(params))[1]
   for qw, qp in zip(_quantized(whole), _quantized(part), strict=True):
     rows = qp.codes.shape[0]
     np.testing.assert_array_equal(qw.codes[:rows], qp.codes)

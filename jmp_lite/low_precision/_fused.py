@@ -251,12 +251,12 @@ def quantized_adam(
       :func:`quantized_states` refuses.
 
   Example:
-    >>> import jax.numpy as jnp, jmp_lite
+    >>> import jax, jax.numpy as jnp, jmp_lite
     >>> from jmp_lite.low_precision import quantized_adam
     >>> opt = quantized_adam(1e-3, kernel="interpret")
     >>> params = {"w": jnp.ones((8, 256))}
     >>> state = opt.init(params)
-    >>> updates, state = opt.update(params, state, params)
+    >>> updates, state = jax.jit(opt.update)(params, state, params)
     >>> state.inner_state[0].mu["w"].codes.dtype
     dtype('uint8')
   """

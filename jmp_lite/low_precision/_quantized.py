@@ -309,12 +309,12 @@ def quantized_states(
       ``update``, for a state made under another configuration.
 
   Example:
-    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> import jax, jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.stochastic_rounding(
     ...     jmp_lite.quantized_states(optax.adam(1e-3), bits=8), seed=0)
     >>> params = {"w": jnp.ones((8, 512), jnp.bfloat16)}
     >>> state = opt.init(params)
-    >>> updates, state = opt.update(params, state, params)
+    >>> updates, state = jax.jit(opt.update)(params, state, params)
     >>> params = optax.apply_updates(params, updates)
     >>> bytes_ = jmp_lite.diagnostics.tree_bytes((params, state))
     >>> round(bytes_ / 4096, 2)  # params 2, moments 1 + 1, per block more
