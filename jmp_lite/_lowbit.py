@@ -1,5 +1,6 @@
-"""What the FP8 and FP4 packages share: exact powers of two, and the checks
-of a ``dot_general``'s arguments (private; imports only JAX and numpy)."""
+"""What the FP8 and FP4 packages share: exact powers of two, MX (E8M0)
+scale exponents, padding to whole blocks, and the checks of a
+``dot_general``'s arguments (private; imports only JAX and numpy)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# E8M0's exponent range (its 0xFF encoding is NaN).
+E8M0_MIN, E8M0_MAX = -127, 127
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]],
                          tuple[tuple[int, ...], tuple[int, ...]]]
@@ -28,6 +33,91 @@ def pow2(e: jax.Array) -> jax.Array:
   sub = jax.lax.bitcast_convert_type(
       jnp.left_shift(jnp.int32(1), jnp.clip(e + 149, 0, 22)), jnp.float32)
   return jnp.where(e >= -126, normal, sub)
+
+
+def _exponent_bits(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(E, mantissa bits)`` of positive finite float32 ``a = 1.m * 2**E``.
+
+  Subnormals are first scaled by ``2**64`` (exact) so that their leading
+  bit is in the exponent field.
+  """
+  small = a < np.float32(2.0 ** -126)
+  a = jnp.where(small, a * np.float32(2.0 ** 64), a)
+  bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 127 - jnp.where(small, 64, 0)
+  return e, bits & 0x7FFFFF
+
+
+def mx_exponent(amax: jax.Array, dtype: Any,
+                rounding: str = "up") -> jax.Array:
+  """The E8M0 scale exponent (int32) of blocks with these amaxes.
+
+  ``"up"``: the smallest ``e`` with ``amax <= finfo(dtype).max * 2**e``.
+  ``"floor"`` (OCP MX v1.0): ``floor(log2(amax)) - emax(dtype)``. Both come
+  from the bits of ``amax`` and of the format's maximum; an amax of 0 gives
+  the smallest exponent, -127. Non-finite amaxes give 128 (E8M0's NaN).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite._lowbit import mx_exponent
+    >>> above = np.nextafter(np.float32(448), np.float32(1000))
+    >>> mx_exponent(jnp.array([448.0, above, 1.0, 0.0]),
+    ...             jnp.float8_e4m3fn).tolist()
+    [0, 1, -8, -127]
+    >>> mx_exponent(jnp.array([6.0, 6.5, 1.0]), jnp.float4_e2m1fn).tolist()
+    [0, 1, -2]
+  """
+  fmax = np.float32(jnp.finfo(dtype).max)
+  fmax_bits = int(np.asarray(fmax).view(np.int32))
+  fmax_e, fmax_m = ((fmax_bits >> 23) & 0xFF) - 127, fmax_bits & 0x7FFFFF
+  amax = jnp.asarray(amax, jnp.float32)
+  finite = jnp.isfinite(amax)
+  safe = jnp.where(finite & (amax > 0), amax, np.float32(1))
+  e, m = _exponent_bits(safe)
+  if rounding == "up":
+    # amax = 1.m * 2**E <= 1.fm * 2**(Ef + e) iff e >= E - Ef (+1 if m > fm).
+    exp = e - fmax_e + jnp.where(m > fmax_m, 1, 0)
+  else:
+    exp = e - fmax_e
+  exp = jnp.where(amax > 0, exp, E8M0_MIN)
+  exp = jnp.clip(exp, E8M0_MIN, E8M0_MAX)
+  return jnp.where(finite, exp, E8M0_MAX + 1).astype(jnp.int32)
+
+
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """``x`` zero-padded at the end of ``axis`` to a multiple of ``multiple``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._lowbit import pad_to
+    >>> pad_to(jnp.ones((2, 5)), 1, 4).shape
+    (2, 8)
+  """
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def floating(x: Any, what: str, *, who: str) -> jax.Array:
+  """``x`` as an array, or a TypeError unless it is floating.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._lowbit import floating
+    >>> try:
+    ...   floating(jnp.arange(3), "lhs", who="fp4")
+    ... except TypeError as e:
+    ...   print(e)
+    fp4 dot_general: lhs must be a floating array, got int32
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{who} dot_general: {what} must be a floating array,"
+                    f" got {x.dtype}")
+  return x
 
 
 def normalize_dims(dimension_numbers: Any) -> DimensionNumbers:

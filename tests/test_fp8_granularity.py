@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from jmp_lite import fp8
+from jmp_lite._lowbit import mx_exponent
 from jmp_lite.fp8._blocked import (
   batched_dot,
   Layout,
   looped_dot,
-  mx_exponent,
   quantize_blocks,
   scaled_dot,
 )

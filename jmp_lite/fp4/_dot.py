@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
-from jmp_lite._lowbit import check_like_lax, normalize_dims
+from jmp_lite._lowbit import check_like_lax, floating, normalize_dims
 from jmp_lite.fp4._quantize import (
   as_key,
   hadamard_signs,
@@ -215,14 +215,6 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 _canonical.defvjp(_canonical_fwd, _canonical_bwd)
 
 
-def _floating(x: Any, what: str) -> jax.Array:
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"fp4 dot_general: {what} must be a floating array, got"
-                    f" {x.dtype}")
-  return x
-
-
 def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
   """An FP4 matmul with ``jax.lax.dot_general``'s signature.
 
@@ -274,7 +266,8 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
                       preferred_element_type: Any = None,
                       out_sharding: Any = None) -> jax.Array:
     del precision  # The FP4 formats and float32 accumulation decide it.
-    lhs, rhs = _floating(lhs, "lhs"), _floating(rhs, "rhs")
+    lhs = floating(lhs, "lhs", who="fp4")
+    rhs = floating(rhs, "rhs", who="fp4")
     if preferred_element_type is None:
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._lowbit import pow2
+from jmp_lite._lowbit import E8M0_MAX, mx_exponent, pad_to, pow2
 from jmp_lite.fp4._recipes import E2M1, Format, MXFP4, NVFP4, ROLES
 
 __all__ = ["quantize_dequantize"]
@@ -29,8 +29,6 @@ _E4M3 = np.dtype(jnp.float8_e4m3fn)
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
 _MAX_ENC = 2.0 ** 126
-# E8M0's exponent range (its 0xFF encoding is NaN).
-_E8M0_MIN, _E8M0_MAX = -127, 127
 
 
 class Quantized(NamedTuple):
@@ -47,42 +45,6 @@ class Quantized(NamedTuple):
   q: jax.Array
   scale: jax.Array
   enc: jax.Array
-
-
-def mx_exponent(amax: jax.Array) -> jax.Array:
-  """The smallest ``e`` with ``amax <= 6 * 2**e``, from the float32 bits.
-
-  Clipped to E8M0's [-127, 127]; 0 gives -127; inf or NaN give 128 (NaN).
-
-  Example:
-    >>> import jax.numpy as jnp, numpy as np
-    >>> from jmp_lite.fp4._quantize import mx_exponent
-    >>> above = np.nextafter(np.float32(6), np.float32(7))
-    >>> mx_exponent(jnp.array([6.0, above, 1.0, 0.0])).tolist()
-    [0, 1, -2, -127]
-  """
-  amax = jnp.asarray(amax, _F32)
-  finite = jnp.isfinite(amax)
-  safe = jnp.where(finite & (amax > 0), amax, np.float32(1))
-  small = safe < np.float32(2.0 ** -126)  # Subnormal: scale up, exactly.
-  safe = jnp.where(small, safe * np.float32(2.0 ** 64), safe)
-  bits = jax.lax.bitcast_convert_type(safe, jnp.int32)
-  e = ((bits >> 23) & 0xFF) - 127 - jnp.where(small, 64, 0)
-  # 6 = 1.5 * 2**2: amax = 1.m * 2**E <= 1.5 * 2**(2 + e) iff e >= E - 2
-  # (+1 if m > .5).
-  exp = e - 2 + jnp.where((bits & 0x7FFFFF) > 0x400000, 1, 0)
-  exp = jnp.where(amax > 0, exp, _E8M0_MIN)
-  exp = jnp.clip(exp, _E8M0_MIN, _E8M0_MAX)
-  return jnp.where(finite, exp, _E8M0_MAX + 1).astype(jnp.int32)
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
 
 
 def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -148,20 +110,20 @@ def quantize_blocks(x: jax.Array, fmt: Format, *, tiles: bool = False,
   b, p, c = x.shape
   bs = fmt.block_size
   nb = max(math.ceil(c / bs), 1)
-  blocks = _pad_to(x.astype(_F32), 2, bs)
+  blocks = pad_to(x.astype(_F32), 2, bs)
   if blocks.shape[2] == 0:
     blocks = jnp.zeros((b, p, bs), _F32)
   blocks = blocks.reshape(b, p, nb, bs)
   absx = jnp.abs(blocks)
   if tiles:
-    rows = _pad_to(absx, 1, bs)
+    rows = pad_to(absx, 1, bs)
     amax_b = jnp.max(rows.reshape(b, -1, bs, nb, bs), axis=(2, 4))
     amax_b = jnp.repeat(amax_b, bs, axis=1)[:, :p]
   else:
     amax_b = jnp.max(absx, axis=3)
   if isinstance(fmt, MXFP4):
-    exp = mx_exponent(amax_b)
-    bad = exp > _E8M0_MAX
+    exp = mx_exponent(amax_b, E2M1)
+    bad = exp > E8M0_MAX
     scale = jnp.where(bad, np.float32(np.nan), pow2(jnp.minimum(exp, 127)))
     v = blocks * pow2(-jnp.minimum(exp, 127))[..., None]
     v = jnp.where(bad[..., None], np.float32(0), v)
@@ -236,7 +198,7 @@ def rotate(x: jax.Array, signs: jax.Array) -> jax.Array:
     [[2.0, 2.0, 2.0, 2.0]]
   """
   n = signs.shape[0]
-  x = _pad_to(x.astype(_F32), x.ndim - 1, n)
+  x = pad_to(x.astype(_F32), x.ndim - 1, n)
   chunks = x.reshape(*x.shape[:-1], -1, n) * signs
   h = jnp.asarray(hadamard_matrix(n) / np.float32(math.sqrt(n)), _F32)
   # In float32 on every backend: at the default precision a TPU multiplies

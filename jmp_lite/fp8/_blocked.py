@@ -47,17 +47,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
-from jmp_lite._lowbit import pow2
+from jmp_lite._lowbit import E8M0_MAX, mx_exponent, pad_to, pow2
 from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
 from jmp_lite.fp8._quantize import cast_limit, scale_for, scale_inv_for
 from jmp_lite.fp8._recipes import MXFP8
 
-__all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot", "mx_exponent",
+__all__ = ["Layout", "batched_dot", "fine_dot", "looped_dot",
            "quantize_blocks", "scaled_dot"]
 
 _F32 = np.dtype(np.float32)
-# E8M0's exponent range (its 0xFF encoding is NaN).
-_E8M0_MIN, _E8M0_MAX = -127, 127
 # The smallest scale exponent quantisation uses (2**-126: float32's smallest
 # normal number).
 _SCALE_MIN_EXP = -126
@@ -82,62 +80,6 @@ class Layout:
   margin: int = 0
   bs: int = 128
   rounding: str = "up"
-
-
-def _exponent_bits(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(E, mantissa bits)`` of positive finite float32 ``a = 1.m * 2**E``.
-
-  Subnormals are first scaled by ``2**64`` (exact) so that their leading
-  bit is in the exponent field.
-  """
-  small = a < np.float32(2.0 ** -126)
-  a = jnp.where(small, a * np.float32(2.0 ** 64), a)
-  bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-  e = ((bits >> 23) & 0xFF) - 127 - jnp.where(small, 64, 0)
-  return e, bits & 0x7FFFFF
-
-
-def mx_exponent(amax: jax.Array, dtype: np.dtype,
-                rounding: str = "up") -> jax.Array:
-  """The E8M0 scale exponent (int32) of blocks with these amaxes.
-
-  ``"up"``: the smallest ``e`` with ``amax <= finfo(dtype).max * 2**e``.
-  ``"floor"`` (OCP MX v1.0): ``floor(log2(amax)) - emax(dtype)``. Both come
-  from the bits of ``amax`` and of the format's maximum; an amax of 0 gives
-  the smallest exponent, -127. Non-finite amaxes give 128 (E8M0's NaN).
-
-  Example:
-    >>> import jax.numpy as jnp, numpy as np
-    >>> from jmp_lite.fp8._blocked import mx_exponent
-    >>> above = np.nextafter(np.float32(448), np.float32(1000))
-    >>> mx_exponent(jnp.array([448.0, above, 1.0, 0.0]),
-    ...             np.dtype(jnp.float8_e4m3fn)).tolist()
-    [0, 1, -8, -127]
-  """
-  fmax = np.float32(jnp.finfo(dtype).max)
-  fmax_bits = int(np.asarray(fmax).view(np.int32))
-  fmax_e, fmax_m = ((fmax_bits >> 23) & 0xFF) - 127, fmax_bits & 0x7FFFFF
-  amax = jnp.asarray(amax, _F32)
-  finite = jnp.isfinite(amax)
-  safe = jnp.where(finite & (amax > 0), amax, np.float32(1))
-  e, m = _exponent_bits(safe)
-  if rounding == "up":
-    # amax = 1.m * 2**E <= 1.fm * 2**(Ef + e) iff e >= E - Ef (+1 if m > fm).
-    exp = e - fmax_e + jnp.where(m > fmax_m, 1, 0)
-  else:
-    exp = e - fmax_e
-  exp = jnp.where(amax > 0, exp, _E8M0_MIN)
-  exp = jnp.clip(exp, _E8M0_MIN, _E8M0_MAX)
-  return jnp.where(finite, exp, _E8M0_MAX + 1).astype(jnp.int32)
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
 
 
 def _cast(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -199,7 +141,7 @@ def quantize_blocks(x: jax.Array, layout: Layout
   blocks = x.reshape(b, p, nb, bs)
   absx = jnp.abs(blocks).astype(_F32)
   if layout.kind == "square":
-    tiles = _pad_to(absx, 1, bs)
+    tiles = pad_to(absx, 1, bs)
     mp = tiles.shape[1] // bs
     amax = jnp.max(tiles.reshape(b, mp, bs, nb, bs), axis=(2, 4))
     amax = jnp.repeat(amax, bs, axis=1)[:, :p]
@@ -207,11 +149,11 @@ def quantize_blocks(x: jax.Array, layout: Layout
     amax = jnp.max(absx, axis=3)
   if layout.kind == "mx":
     exp = mx_exponent(amax, layout.dtype, layout.rounding)
-    nan = exp > _E8M0_MAX
+    nan = exp > E8M0_MAX
     # 2**-127, E8M0's smallest scale, is a float32 subnormal, which XLA
     # flushes to zero (a block of tiny values would dequantise to 0): the
     # scales stop at 2**-126, as per-tensor ones do.
-    exp = jnp.clip(exp, _SCALE_MIN_EXP, _E8M0_MAX)
+    exp = jnp.clip(exp, _SCALE_MIN_EXP, E8M0_MAX)
     inv = jnp.where(nan, np.float32(np.nan), pow2(exp))
     scale = pow2(-exp)
     return _cast_mx(blocks, scale, layout.dtype), inv

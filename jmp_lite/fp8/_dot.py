@@ -36,7 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._lowbit import check_like_lax, DimensionNumbers, normalize_dims
+from jmp_lite._lowbit import (
+  check_like_lax,
+  DimensionNumbers,
+  floating,
+  normalize_dims,
+)
 from jmp_lite.fp8._blocked import fine_dot
 from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
 from jmp_lite.fp8._quantize import (
@@ -210,14 +215,6 @@ def _fp8_dot_bwd(st: _Static, res, g):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def _floating(x: Any, what: str) -> jax.Array:
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"fp8 dot_general: {what} must be a floating array, got"
-                    f" {x.dtype}")
-  return x
-
-
 def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
                 state: ScalingState | None = None) -> Callable[..., jax.Array]:
   """An FP8 matmul with ``jax.lax.dot_general``'s signature.
@@ -307,8 +304,8 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
                       dimension_numbers: Any, precision: Any = None,
                       preferred_element_type: Any = None,
                       out_sharding: Any = None) -> jax.Array:
-    lhs = _floating(lhs, "lhs")
-    rhs = _floating(rhs, "rhs")
+    lhs = floating(lhs, "lhs", who="fp8")
+    rhs = floating(rhs, "rhs", who="fp8")
     dims = normalize_dims(dimension_numbers)
     check_like_lax(lhs, rhs, dims, precision, preferred_element_type,
                    who="fp8")
