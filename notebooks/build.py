@@ -24,6 +24,18 @@ import jmp_lite
 from jmp_lite import examples
 print("jax", jax.__version__, "on", jax.devices()[0].platform)"""
 
+
+def loss_curves(legend: str = "") -> tuple[str, str]:
+  """The cell that plots each run's training loss (15-step moving mean)."""
+  return ("code", f"""\
+fig, ax = plt.subplots()
+for name, r in results.items():
+  ax.plot(np.convolve(r.losses, np.ones(15) / 15, "valid"), label=name)
+ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_title("training loss")
+ax.legend({legend})
+fig.tight_layout()""")
+
+
 NOTEBOOKS = {
     "01_quickstart": [
         ("md", """\
@@ -336,13 +348,7 @@ print(f"{'run':28} {'eval loss':>9} {'acc':>6} {'bytes/param':>11}")
 for name, r in results.items():
   print(f"{name:28} {r.eval_loss:9.4f} {r.accuracy:6.3f}"
         f" {(r.param_bytes + r.state_bytes) / n_params:11.2f}")"""),
-        ("code", """\
-fig, ax = plt.subplots()
-for name, r in results.items():
-  ax.plot(np.convolve(r.losses, np.ones(15) / 15, "valid"), label=name)
-ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_title("training loss")
-ax.legend(fontsize=7)
-fig.tight_layout()"""),
+        loss_curves("fontsize=7"),
         ("md", """\
 Plain pure bfloat16 falls behind as soon as Adam's steps shrink below half
 an ulp of the weights; Kahan summation (8 bytes per parameter: param,
@@ -422,13 +428,7 @@ print(f"{'run':8} {'eval loss':>9} {'vs bf16':>8} {'acc':>6}")
 for name, r in results.items():
   print(f"{name:8} {r.eval_loss:9.4f} {r.eval_loss / base - 1:+8.1%}"
         f" {r.accuracy:6.3f}")"""),
-        ("code", """\
-fig, ax = plt.subplots()
-for name, r in results.items():
-  ax.plot(np.convolve(r.losses, np.ones(15) / 15, "valid"), label=name)
-ax.set_yscale("log"); ax.set_xlabel("step"); ax.set_title("training loss")
-ax.legend()
-fig.tight_layout()"""),
+        loss_curves(),
         ("md", """\
 On a model this small FP4's gap is a few percent of held-out loss (one seed
 here; `tests/test_fp4_fidelity.py` averages two and holds NVFP4 within 5%,
