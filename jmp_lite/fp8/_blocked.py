@@ -10,8 +10,9 @@ de-scale factors and added to a float32 sum: exactly what a block-scaled
 FP8 GEMM computes (the products of FP8 values are exact in float32, the
 per-block scaling is the same, only the float32 summation order may
 differ), with 8-bit operands in the program. "block" runs the blocks in a
-``lax.scan`` into one accumulator (:func:`looped_dot`); the first version
-ran them as one dot with the block index as a batch dimension
+``lax.scan`` into one accumulator (:func:`looped_dot`; on GPUs one Pallas
+kernel that walks the blocks per output tile, ``_block_gemm``); the first
+version ran them as one dot with the block index as a batch dimension
 (:func:`batched_dot`, kept for "row"'s single block), whose float32
 intermediate was ``nb`` times the output (16 GiB for one 8192-token
 projection with a 16384-wide contracting dimension) and which ran 2.6-4x
@@ -48,6 +49,7 @@ import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
 from jmp_lite._lowbit import E8M0_MAX, mx_exponent, pad_to, pow2
+from jmp_lite.fp8._block_gemm import block_scaled_dot
 from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
 from jmp_lite.fp8._quantize import cast_limit, scale_for, scale_inv_for
 from jmp_lite.fp8._recipes import MXFP8
@@ -189,7 +191,18 @@ def _qdot(a: jax.Array, b: jax.Array, la: Layout, lb: Layout) -> jax.Array:
     return scaled_dot(qa, ia, qb, ib)
   if qa.shape[2] == 1:  # "row": one block, nothing to loop over.
     return batched_dot(qa, ia, qb, ib)
+  if _gpu_gemm(qa, qb):
+    return _varying_as(block_scaled_dot(qa, ia, qb, ib), qa, qb)
   return looped_dot(qa, ia, qb, ib)
+
+
+def _gpu_gemm(qa: jax.Array, qb: jax.Array) -> bool:
+  """Whether "block" runs as one Pallas GEMM kernel: on GPUs, for dots
+  large enough for a GEMM (the tensor cores' tiles are 16 wide) with
+  power-of-two blocks (Triton's tiles)."""
+  bs = qa.shape[3]
+  return (jax.default_backend() == "gpu" and min(qa.shape[1], qb.shape[1])
+          >= 16 and bs >= 16 and bs & (bs - 1) == 0)
 
 
 def batched_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,

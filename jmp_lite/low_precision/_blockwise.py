@@ -242,7 +242,8 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   moment: five times the bytes in XLA's cost model."""
   index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
   nan = jnp.isnan(mag)
-  any_nan = jnp.any(nan, axis=-1, keepdims=True)
+  # Integer maxima, not any/gather: Pallas' Triton lowering has neither.
+  any_nan = jnp.max(nan.astype(jnp.int32), axis=-1, keepdims=True) > 0
   top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
   # Within 2**-20 and clamped into the block: XLA may compute the moment
   # for the top and for the match in two fusions, an ulp apart, and an
@@ -253,8 +254,11 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
       jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1),
       mag.shape[-1] - 1)
   at = index == where[..., None]
-  # Gathered, not reduced: XLA:CPU's max flushes a subnormal to zero.
-  outlier = jnp.take_along_axis(raw, where[..., None], axis=-1)[..., 0]
+  # Picked by its bits (an integer max): XLA:CPU's float max flushes a
+  # subnormal to zero.
+  outlier = jax.lax.bitcast_convert_type(jnp.max(jnp.where(
+      at, jax.lax.bitcast_convert_type(raw, jnp.int32),
+      np.int32(-2**31)), axis=-1), F32)
   rest = jnp.max(jnp.where(at, 0.0, _saturated(mag)), axis=-1)
   return where, outlier, rest
 

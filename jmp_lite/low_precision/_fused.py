@@ -1,11 +1,11 @@
 """``quantized_adam``: Adam with 8/4-bit moments, one fused pass per tensor.
 
 The state is :func:`quantized_states` ``(optax.adam(...))``'s, leaf for leaf
-(checkpoints move between the two). On a GPU or TPU the step runs one Pallas
-kernel per param: per block it decodes ``mu`` and ``nu``, applies Adam's
-moment update in float32, takes each new moment's outlier and scale from the
-new values, draws the stochastic codes' bits and writes the codes, in one
-pass over the state with nothing materialised in between. Elsewhere (the
+(checkpoints move between the two). On a GPU the step runs one Pallas
+(Triton) kernel per param: per block it decodes ``mu`` and ``nu``, applies
+Adam's moment update in float32, takes each new moment's outlier and scale
+from the new values, draws the stochastic codes' bits and writes the codes,
+in one pass over the state with nothing materialised in between. Elsewhere (the
 CPU), and for states it cannot take, it runs :func:`quantized_states`' XLA
 path; both write the same codes, scales and outliers, bit for bit.
 """
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jmp_lite import contract
 from jmp_lite._checks import check_own_state
@@ -52,11 +53,14 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
             no_ref, nw_ref, u_out, mc_out, ms_out, mo_out, mw_out, nc_out,
             ns_out, no_out, nw_out, *, adam: optax.GradientTransformation,
             bits: int, powers: tuple[float, float], scale_dtype: Any,
-            stochastic: bool, dims: tuple[int, int, int, int, int]) -> None:
+            stochastic: bool, dims: tuple[int, int, int, int, int, int]
+            ) -> None:
   """One tile of ``_TILE`` blocks: decode, Adam in float32, encode."""
-  rows, n, r, c, col_blocks = dims
-  meta = meta_ref[...]
-  g = g_ref[...]
+  rows, n, r, c, col_blocks, size = dims
+  # Scalars read one by one (Triton has no slice of a loaded vector).
+  meta = [meta_ref[i] for i in range(8)]
+  # The gradient in its own dtype: cast here, not in a pass before.
+  g = g_ref[...].astype(F32)
   tile, size = g.shape
   # Each element's place in the leaf: padding is zeroed, as the XLA path
   # pads the new moments with zeros, and the random bits hash the flat index.
@@ -65,7 +69,8 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
   e = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
   row = (block // col_blocks) * r + e // c
   col = (block % col_blocks) * c + e % c
-  valid = (row < rows) & (col < n)
+  # Elements past ``size`` pad a block to a power of two (Triton's tiles).
+  valid = (row < rows) & (col < n) & (e < size)
   flat = row.astype(jnp.uint32) * np.uint32(n % 2**32) + col.astype(
       jnp.uint32)
 
@@ -73,7 +78,8 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
     return decode_blocks(
         c_ref[...].astype(F32), s_ref[...].astype(F32), bits=bits,
         signed=signed, power=power, form_signed=form_signed,
-        outliers=o_ref[...][:, 0], where=w_ref[...][:, 0], ok=ok)
+        outliers=jnp.squeeze(o_ref[...], 1),
+        where=jnp.squeeze(w_ref[...], 1), ok=ok)
 
   ok = meta[7].astype(jnp.int32)
   mu = read(mc_ref, ms_ref, mo_ref, mw_ref, True, powers[0], meta[5] == 1,
@@ -132,10 +138,13 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   groups, col_blocks = grid(shape, bs)
   size, nb = r * c, groups * col_blocks
   padded = -(-nb // _TILE) * _TILE
+  # Triton's tiles are powers of two: a block of 40 is read as 64.
+  wide = 1 << (size - 1).bit_length()
 
   def flat_blocks(x: jax.Array) -> jax.Array:
     x = x.reshape(nb, -1)
-    return jnp.pad(x, [(0, padded - nb), (0, 0)])
+    extra = wide - size if x.shape[1] == size else 0
+    return jnp.pad(x, [(0, padded - nb), (0, extra)])
 
   def side(q: QuantizedArray) -> list[jax.Array]:
     return [flat_blocks(_codes_blocks(q, shape)), flat_blocks(q.scales),
@@ -150,13 +159,13 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   meta = jnp.stack([
       jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
       mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
-  tile_spec = pl.BlockSpec((_TILE, size), lambda i: (i, 0))
+  tile_spec = pl.BlockSpec((_TILE, wide), lambda i: (i, 0))
   one_spec = pl.BlockSpec((_TILE, 1), lambda i: (i, 0))
   meta_spec = pl.BlockSpec((8,), lambda i: (0,))
   quad = [tile_spec, one_spec, one_spec, one_spec]
 
   def quad_shapes(q: QuantizedArray) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct((padded, size), jnp.uint8),
+    return [jax.ShapeDtypeStruct((padded, wide), jnp.uint8),
             jax.ShapeDtypeStruct((padded, 1), q.scales.dtype),
             jax.ShapeDtypeStruct((padded, 1), F32),
             jax.ShapeDtypeStruct((padded, 1), jnp.int32)]
@@ -164,18 +173,21 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   kernel = functools.partial(
       _kernel, adam=adam, bits=mu.bits, powers=(mu.power, nu.power),
       scale_dtype=mu.scales.dtype, stochastic=stochastic,
-      dims=(rows, shape[-1], r, c, col_blocks))
+      dims=(rows, shape[-1], r, c, col_blocks, size))
   out = pl.pallas_call(
       kernel, grid=(padded // _TILE,),
       in_specs=[meta_spec, tile_spec, *quad, *quad],
       out_specs=[tile_spec, *quad, *quad],
-      out_shape=[jax.ShapeDtypeStruct((padded, size), F32),
+      out_shape=[jax.ShapeDtypeStruct((padded, wide), F32),
                  *quad_shapes(mu), *quad_shapes(nu)],
       interpret=interpret,
-  )(meta, flat_blocks(_blocks(g.astype(F32), bs)), *side(mu), *side(nu))
+      # Triton named on GPUs: JAX 0.10 would otherwise pick Mosaic GPU.
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1)
+      if not interpret and jax.default_backend() == "gpu" else None,
+  )(meta, flat_blocks(_blocks(g, bs)), *side(mu), *side(nu))
 
   def unflat(x: jax.Array) -> jax.Array:
-    return x[:nb].reshape(groups, col_blocks, -1)
+    return x[:nb, :size].reshape(groups, col_blocks, -1)
 
   def back(q: QuantizedArray, parts: list[jax.Array], signed: bool
            ) -> QuantizedArray:
@@ -213,11 +225,11 @@ def quantized_adam(
 
   The same optimizer as ``quantized_states(optax.adam(learning_rate, b1, b2,
   eps), bits, block_size, ...)``, with the same state (a checkpoint moves
-  between them), whose step on a GPU or TPU is one Pallas kernel per param:
+  between them), whose step on a GPU is one Pallas kernel per param:
   each block's moments are decoded, updated in float32 and re-encoded, the
   block's outlier and scale taken from the new values, in one pass.
 
-  ``kernel`` picks the path: ``"auto"`` (the kernel on GPU and TPU backends,
+  ``kernel`` picks the path: ``"auto"`` (the kernel on GPUs,
   the XLA path of :func:`quantized_states` elsewhere), ``"pallas"``,
   ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
   tests) or ``"xla"``. Both paths write the same codes, scales and
@@ -277,7 +289,7 @@ def quantized_adam(
 
   def use_kernel() -> bool:
     if kernel == "auto":
-      return jax.default_backend() in ("gpu", "tpu")
+      return jax.default_backend() == "gpu"
     return kernel in ("pallas", "interpret")
 
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,

@@ -1,0 +1,126 @@
+"""The block-scaled FP8 GEMM as one Pallas kernel (GPUs).
+
+"block" scaling gives each operand one de-scale factor per row and
+contracting block of ``bs`` elements (DeepSeek-V3's 1x128 activation and
+128x128 weight tiles; a 128x128 tile's factor is repeated over its rows).
+:func:`jmp_lite.fp8._blocked.looped_dot` computes that product as ``nb``
+FP8 dots in a ``lax.scan``, each a full pass over the float32 output: on a
+GPU ``nb`` thin GEMMs and as many read-modify-writes of the output. Here
+one kernel program owns a ``bm x bn`` output tile in registers and walks
+the contracting blocks: per block one FP8 x FP8 tensor-core product into a
+fresh float32 tile, de-scaled by the block's row and column factors and
+added to the accumulator, the structure of DeepGEMM's FP8 GEMM. The sums
+are :func:`looped_dot`'s, block by block in the same order; within a block
+the tensor cores' order may differ (float32 rounding).
+
+Pallas lowers it through Triton on GPUs; :func:`block_scaled_dot` runs it
+in Pallas' interpreter elsewhere when asked (the tests), and the recipes
+call it on GPUs only (:func:`jmp_lite.fp8._blocked.looped_dot` elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jmp_lite.fp8._matmul import descale
+
+__all__ = ["block_scaled_dot", "tile_sizes"]
+
+_F32 = np.dtype(np.float32)
+
+
+def tile_sizes(p: int, q: int) -> tuple[int, int]:
+  """The output tile ``(bm, bn)`` for a ``(P, Q)`` product: 128 x 128, or
+  the dimension's next power of two (at least 16, the tensor cores'
+  smallest) where it is shorter.
+
+  Example:
+    >>> from jmp_lite.fp8._block_gemm import tile_sizes
+    >>> tile_sizes(8192, 40)
+    (128, 64)
+  """
+  def one(n: int) -> int:
+    return min(128, max(16, 1 << (max(n, 1) - 1).bit_length()))
+  return one(p), one(q)
+
+
+def _kernel(a_ref, ia_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int):
+  """One ``bm x bn`` output tile: the contracting blocks in order."""
+  def body(k, acc):
+    a = a_ref[:, pl.ds(k * bs, bs)]
+    b = b_ref[:, pl.ds(k * bs, bs)]
+    if a.dtype != b.dtype:
+      # E5M2 times E4M3 (a gradient times a weight): Triton's FP8 dot takes
+      # one format, so both go to float16, which holds every value of each
+      # exactly (the products are exact in float32 either way), on the
+      # float16 tensor cores at half the FP8 rate.
+      a, b = a.astype(jnp.float16), b.astype(jnp.float16)
+    part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    # The block's row factors (bm, 1) and column factors (1, bn).
+    return acc + descale(part, ia_ref[:, pl.ds(k, 1)],
+                         ibt_ref[pl.ds(k, 1), :])
+
+  out_ref[...] = jax.lax.fori_loop(
+      0, nb, body, jnp.zeros(out_ref.shape, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "interpret", "tiles", "num_warps", "num_stages"))
+def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
+                     ib: jax.Array, *, interpret: bool = False,
+                     tiles: tuple[int, int] | None = None, num_warps: int = 4,
+                     num_stages: int = 3) -> jax.Array:
+  """``qa (B, P, nb, bs)`` with de-scale factors ``ia (B, P, nb)`` times
+  ``qb (B, Q, nb, bs)``, ``ib (B, Q, nb)``: float32 ``(B, P, Q)``, summed
+  block by block as :func:`jmp_lite.fp8._blocked.looped_dot` does.
+
+  ``interpret=True`` runs the kernel in Pallas' interpreter (any backend);
+  otherwise Triton compiles it for the GPU, with output tiles ``tiles``
+  (default :func:`tile_sizes`), ``num_warps`` and ``num_stages`` (its
+  software pipeline's depth).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jmp_lite.fp8._block_gemm import block_scaled_dot
+    >>> e4m3 = jnp.float8_e4m3fn
+    >>> qa = jnp.ones((1, 16, 2, 16), e4m3)
+    >>> ia = jnp.full((1, 16, 2), 0.5)
+    >>> out = block_scaled_dot(qa, ia, qa, ia, interpret=True)
+    >>> out.shape, float(out[0, 0, 0])  # 2 blocks x 16 x 0.25
+    ((1, 16, 16), 8.0)
+  """
+  b, p, nb, bs = qa.shape
+  q = qb.shape[1]
+  bm, bn = tiles or tile_sizes(p, q)
+  pp, qp = -(-p // bm) * bm, -(-q // bn) * bn
+  # Whole tiles: padding rows are zeros with factor 1, and cut off below.
+  a = jnp.pad(qa.reshape(b, p, nb * bs), [(0, 0), (0, pp - p), (0, 0)])
+  bq = jnp.pad(qb.reshape(b, q, nb * bs), [(0, 0), (0, qp - q), (0, 0)])
+  ia = jnp.pad(ia.astype(_F32), [(0, 0), (0, pp - p), (0, 0)],
+               constant_values=1.0)
+  # Column factors as (B, nb, Q): a block's factors load as one (1, bn) row.
+  ibt = jnp.pad(jnp.swapaxes(ib.astype(_F32), 1, 2),
+                [(0, 0), (0, 0), (0, qp - q)], constant_values=1.0)
+  out = pl.pallas_call(
+      functools.partial(_kernel, nb=nb, bs=bs),
+      grid=(b, pp // bm, qp // bn),
+      in_specs=[
+          pl.BlockSpec((None, bm, nb * bs), lambda i, j, k: (i, j, 0)),
+          pl.BlockSpec((None, bm, nb), lambda i, j, k: (i, j, 0)),
+          pl.BlockSpec((None, bn, nb * bs), lambda i, j, k: (i, k, 0)),
+          pl.BlockSpec((None, nb, bn), lambda i, j, k: (i, 0, k)),
+      ],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, k: (i, j, k)),
+      out_shape=jax.ShapeDtypeStruct((b, pp, qp), _F32),
+      interpret=interpret,
+      compiler_params=None if interpret else pltriton.CompilerParams(
+          num_warps=num_warps, num_stages=num_stages),
+  )(a, ia, bq, ibt)
+  return out[:, :p, :q]
