@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import chex
@@ -71,12 +72,17 @@ MODELS = {
 }
 
 
+@functools.cache  # Shared by both half dtypes: eager init compiles per op.
+def _model_case(name):
+  model, make_x = MODELS[name]
+  x = make_x()
+  return model, x, jax.jit(model.init)(jax.random.key(0), x)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("half", HALF, ids=["bf16", "f16"])
 def test_models_dtypes_outputs_and_grads(name, half):
-  model, make_x = MODELS[name]
-  x = make_x()
-  params = model.init(jax.random.key(0), x)
+  model, x, params = _model_case(name)
 
   def loss(params, x):
     out = model.apply(params, x)
@@ -94,7 +100,11 @@ def test_models_dtypes_outputs_and_grads(name, half):
   assert _eqn_dtypes(jaxpr, "exp")
   # The float32 reference under jit: eagerly each of its ops compiles alone.
   ref, ref_grads = jax.jit(jax.value_and_grad(loss))(params, x)
-  for fn in (cast, jax.jit(cast)):
+  # Eagerly every op of the model compiles alone (about 2 s for the block);
+  # eager and jit interpret the same jaxpr whatever the half dtype, so the
+  # eager run is for bfloat16 only.
+  fns = (cast, jax.jit(cast)) if half == jnp.bfloat16 else (jax.jit(cast),)
+  for fn in fns:
     val, grads = jax.value_and_grad(fn)(params, x)
     assert_dtype(val, jnp.float32)
     np.testing.assert_allclose(float(val), float(ref), rtol=TOL[half])
@@ -139,16 +149,18 @@ def test_recurses_into_control_flow_and_custom_rules(half):
   assert len(dots) == 6  # Top level, scan, remat, cond, switch and jit.
   hname = np.dtype(half).name
   assert all(d == (hname, hname) for d in dots), dots
-  ref = _kitchen_sink(x, w)
+  ref = jax.jit(_kitchen_sink)(x, w)
   for fn in (g, jax.jit(g)):
     np.testing.assert_allclose(float(fn(x, w)), float(ref), rtol=TOL[half])
-  grads = jax.grad(g, argnums=1)(x, w)
-  ref_grads = jax.grad(_kitchen_sink, argnums=1)(x, w)
+  # Gradients and vmap under jit: the eager call above already runs the
+  # interpreted jaxpr op by op (each op compiling alone, seconds in all).
+  grads = jax.jit(jax.grad(g, argnums=1))(x, w)
+  ref_grads = jax.jit(jax.grad(_kitchen_sink, argnums=1))(x, w)
   assert_dtype(grads, jnp.float32)
   np.testing.assert_allclose(grads, ref_grads, rtol=20 * TOL[half],
                              atol=TOL[half])
-  batched = jax.vmap(g, in_axes=(0, None))(jnp.stack([x, 2 * x]), w)
-  ref_batched = jax.vmap(_kitchen_sink, in_axes=(0, None))(
+  batched = jax.jit(jax.vmap(g, in_axes=(0, None)))(jnp.stack([x, 2 * x]), w)
+  ref_batched = jax.jit(jax.vmap(_kitchen_sink, in_axes=(0, None)))(
       jnp.stack([x, 2 * x]), w)
   np.testing.assert_allclose(batched, ref_batched, rtol=TOL[half])
 
@@ -364,6 +376,7 @@ class EqxCNN(eqx.Module):
     return self.head(self.norm(self.pool(jax.nn.relu(self.conv(x)))))
 
 
+@functools.cache  # Shared by both half dtypes: eager init compiles per op.
 def _eqx_case(kind):
   rng = np.random.default_rng(1)
   if kind == "mlp":
@@ -389,7 +402,8 @@ def _rel_err(a, b):
 def test_equinox_module_arguments(kind, half):
   model, x, y = _eqx_case(kind)
   cast = jmp_lite.autocast(_eqx_loss, half)
-  ref = _eqx_loss(model, x, y)
+  # The float32 references under jit: eagerly each op compiles alone.
+  ref = eqx.filter_jit(_eqx_loss)(model, x, y)
   params, static = eqx.partition(model, eqx.is_array)
   by_jit = jax.jit(lambda p, x, y: cast(eqx.combine(p, static), x, y))
   for out in (cast(model, x, y), eqx.filter_jit(cast)(model, x, y),
@@ -398,8 +412,8 @@ def test_equinox_module_arguments(kind, half):
     np.testing.assert_allclose(float(out), float(ref), rtol=TOL[half])
   # Gradients: eqx.filter_grad on the module, jax.grad on its arrays; the
   # error against float32 is half-precision noise (relative to the norm).
-  ref_grads = eqx.filter(eqx.filter_grad(_eqx_loss)(model, x, y),
-                         eqx.is_array)
+  ref_grads = eqx.filter(
+      eqx.filter_jit(eqx.filter_grad(_eqx_loss))(model, x, y), eqx.is_array)
   grads = eqx.filter(eqx.filter_jit(eqx.filter_grad(cast))(model, x, y),
                      eqx.is_array)
   jax_grads = jax.jit(jax.grad(
@@ -552,8 +566,9 @@ def test_gradient_matmuls_run_in_the_compute_dtype(dtype):
   found = {d for _, d, _ in matmul_dtypes(jax.make_jaxpr(wide)(*args))}
   assert (np.dtype(jnp.float32), half) in found
   # Same values as float32 within half-precision rounding.
-  ref = jax.grad(loss, argnums=(0, 1))(*args)
-  chex.assert_trees_all_close(grad(*args), ref, rtol=2e-2, atol=2e-3)
+  ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+  chex.assert_trees_all_close(jax.jit(grad)(*args), ref, rtol=2e-2,
+                              atol=2e-3)
 
 
 
