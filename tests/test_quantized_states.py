@@ -108,6 +108,13 @@ def test_signed_map_keeps_zero_and_signs_and_extremes():
     assert bool(jnp.all(jnp.sign(back) * jnp.sign(x) >= 0))
 
 
+# Jitted for the layout tests: eagerly each op of the codec compiles alone for
+# every shape (seconds per case); jit traces the same code.
+_jit_quantize = jax.jit(quantize, static_argnames=(
+    "bits", "block_size", "signed", "power", "scale_dtype"))
+_jit_dequantize = jax.jit(dequantize)
+
+
 @pytest.mark.parametrize("bits,shape,codes,scales", [
     (8, (3, 300), (3, 300), (3, 2)),    # partial last block
     (4, (3, 301), (3, 151), (3, 2)),    # two codes per byte, odd last axis
@@ -116,17 +123,18 @@ def test_signed_map_keeps_zero_and_signs_and_extremes():
     (4, (2, 2, 512), (2, 2, 256), (4, 2))])
 def test_storage_layout(bits, shape, codes, scales):
   x = jax.random.normal(jax.random.key(2), shape)
-  q = quantize(x, bits=bits, block_size=256, signed=True, power=2.0)
+  q = _jit_quantize(x, bits=bits, block_size=256, signed=True, power=2.0)
   assert q.codes.dtype == jnp.uint8 and q.codes.shape == codes
   assert q.scales.dtype == jnp.float32 and q.scales.shape == scales
   if shape[-1] >= 256:   # Rows at least a block long: each row alone.
-    row = quantize(x[..., :1, :] if x.ndim > 1 else x, bits=bits,
-                   block_size=256, signed=True, power=2.0)
+    row = _jit_quantize(x[..., :1, :] if x.ndim > 1 else x, bits=bits,
+                        block_size=256, signed=True, power=2.0)
     np.testing.assert_array_equal(
-        dequantize(row), dequantize(q)[..., :1, :] if x.ndim > 1 else
-        dequantize(q))
+        _jit_dequantize(row),
+        _jit_dequantize(q)[..., :1, :] if x.ndim > 1 else _jit_dequantize(q))
   # Half the widest gap of the power-2 map, of the largest magnitude.
-  np.testing.assert_allclose(dequantize(q), x, atol=float(jnp.abs(x).max())
+  np.testing.assert_allclose(_jit_dequantize(q), x,
+                             atol=float(jnp.abs(x).max())
                              * (0.14 if bits == 4 else 0.008))
 
 
@@ -173,8 +181,8 @@ def test_nearest_rounding_is_deterministic_and_has_no_stream():
   # Stochastic codes depend on the seed, and the counter moves per step.
   sto = [jmp_lite.quantized_states(optax.adam(1e-3), seed=seed)
          for seed in (0, 1)]
-  runs: list[Any] = [o.update(_grads(0, jnp.float32), o.init(params),
-                              params)[1] for o in sto]
+  runs: list[Any] = [jax.jit(o.update)(_grads(0, jnp.float32),
+                                      o.init(params), params)[1] for o in sto]
   assert int(runs[0].count) == 1 and int(runs[0].seed) == 0
   assert not np.array_equal(_quantized(runs[0])[0].codes,
                             _quantized(runs[1])[0].codes)

@@ -156,11 +156,11 @@ def check_jit_sharded(bits, reference):
 
 def main():
   assert jax.device_count() == 4, jax.devices()
+  references = {bits: unsharded_run(bits) for bits in (8, 4)}
   for bits in (8, 4):
-    reference = unsharded_run(bits)
-    check_shard_map(bits, reference)
-    check_jit_sharded(bits, reference)
-  check_shard_map_without_specs_differs(8, unsharded_run(8))
+    check_shard_map(bits, references[bits])
+    check_jit_sharded(bits, references[bits])
+  check_shard_map_without_specs_differs(8, references[8])
 
 
 if __name__ == "__main__":
