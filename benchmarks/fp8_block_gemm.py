@@ -36,8 +36,11 @@ from jmp_lite.fp8._blocked import Layout, looped_dot, quantize_blocks
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
-# (tiles, num_warps, num_stages) tried on a GPU.
-CONFIGS = [((128, 128), 4, 3), ((128, 128), 8, 4), ((128, 256), 8, 3)]
+# (tiles, num_warps, num_stages, scaling) tried on a GPU.
+CONFIGS = [((128, 128), 8, 4, "safe"), ((128, 128), 8, 4, "product"),
+           ((128, 128), 8, 3, "safe"), ((128, 256), 8, 4, "safe"),
+           ((256, 128), 8, 4, "safe"), ((64, 128), 4, 4, "safe"),
+           ((128, 64), 4, 4, "safe")]
 
 
 def main() -> None:
@@ -47,6 +50,8 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=4096 if on_gpu else 256)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=10 if on_gpu else 1)
+  parser.add_argument("--no-references", action="store_true",
+                      help="leave out the per-tensor FP8 dot and the scan")
   args = parser.parse_args()
   m, d = args.tokens, args.width
   rng = np.random.default_rng(0)
@@ -63,18 +68,20 @@ def main() -> None:
         "bf16": (jax.jit(lambda a, b: jnp.einsum(
             "mk,nk->mn", a, b, preferred_element_type=jnp.float32).astype(
                 jnp.bfloat16)), (x[0], w[0])),
-        "fp8 per-tensor": (jax.jit(lambda a, b: jax.lax.dot_general(
-            a, b, (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32)), (t8a, t8b)),
-        "looped_dot": (jax.jit(looped_dot), (qa, ia, qb, ib)),
     }
+    if not args.no_references:
+      fns["fp8 per-tensor"] = (jax.jit(lambda a, b: jax.lax.dot_general(
+          a, b, (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32)), (t8a, t8b))
+      fns["looped_dot"] = (jax.jit(looped_dot), (qa, ia, qb, ib))
     if on_gpu:
-      for tiles, warps, stages in CONFIGS:
+      for tiles, warps, stages, scaling in CONFIGS:
         for name, lhs in (("e4m3", (qa, ia)), ("e5m2", (ga, ga_inv))):
-          fns[f"kernel {name} {tiles} w{warps} s{stages}"] = (
-              jax.jit(lambda a, ai, b, bi, t=tiles, nw=warps, ns=stages:
-                      block_scaled_dot(a, ai, b, bi, tiles=t, num_warps=nw,
-                                       num_stages=ns)), (*lhs, qb, ib))
+          fns[f"kernel {name} {tiles} w{warps} s{stages} {scaling}"] = (
+              jax.jit(lambda a, ai, b, bi, t=tiles, nw=warps, ns=stages,
+                      sc=scaling: block_scaled_dot(
+                          a, ai, b, bi, tiles=t, num_warps=nw, num_stages=ns,
+                          scaling=sc)), (*lhs, qb, ib))
     else:
       fns["kernel e4m3 (interpreter)"] = (jax.jit(
           lambda a, ai, b, bi: block_scaled_dot(a, ai, b, bi, interpret=True)),
@@ -98,11 +105,11 @@ def main() -> None:
                                 rounds=args.rounds)
     base = statistics.median(times["bf16"])
     print(f"\n{m} x {k} . {k} x {n}:")
-    print(f"| {'variant':36} | ms | TFLOP/s | vs bf16 |")
+    print(f"| {'variant':44} | ms | TFLOP/s | vs bf16 |")
     print("| --- | --- | --- | --- |")
     for name in steps:
       t = statistics.median(times[name])
-      print(f"| {name:36} | {1e3 * t:.3f} | {flops / t / 1e12:.0f} |"
+      print(f"| {name:44} | {1e3 * t:.3f} | {flops / t / 1e12:.0f} |"
             f" {t / base:.2f} |", flush=True)
 
 

@@ -50,7 +50,8 @@ def tile_sizes(p: int, q: int) -> tuple[int, int]:
   return one(p), one(q)
 
 
-def _kernel(a_ref, ia_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int):
+def _kernel(a_ref, iat_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int,
+            scaling: str):
   """One ``bm x bn`` output tile: the contracting blocks in order."""
   def body(k, acc):
     a = a_ref[:, pl.ds(k * bs, bs)]
@@ -63,20 +64,25 @@ def _kernel(a_ref, ia_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int):
       a, b = a.astype(jnp.float16), b.astype(jnp.float16)
     part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
-    # The block's row factors (bm, 1) and column factors (1, bn).
-    return acc + descale(part, ia_ref[:, pl.ds(k, 1)],
-                         ibt_ref[pl.ds(k, 1), :])
+    # The block's row factors (bm, 1) and column factors (1, bn), each
+    # loaded as one contiguous row (factors are stored block-major).
+    row = iat_ref[pl.ds(k, 1), :].T
+    col = ibt_ref[pl.ds(k, 1), :]
+    if scaling == "product":  # Measured only: overflows at extreme scales.
+      return acc + part * (row * col)
+    return acc + descale(part, row, col)
 
   out_ref[...] = jax.lax.fori_loop(
       0, nb, body, jnp.zeros(out_ref.shape, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "interpret", "tiles", "num_warps", "num_stages"))
+    "interpret", "tiles", "num_warps", "num_stages", "scaling"))
 def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
                      ib: jax.Array, *, interpret: bool = False,
                      tiles: tuple[int, int] | None = None, num_warps: int = 4,
-                     num_stages: int = 3) -> jax.Array:
+                     num_stages: int = 3, scaling: str = "safe"
+                     ) -> jax.Array:
   """``qa (B, P, nb, bs)`` with de-scale factors ``ia (B, P, nb)`` times
   ``qb (B, Q, nb, bs)``, ``ib (B, Q, nb)``: float32 ``(B, P, Q)``, summed
   block by block as :func:`jmp_lite.fp8._blocked.looped_dot` does.
@@ -84,7 +90,9 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   ``interpret=True`` runs the kernel in Pallas' interpreter (any backend);
   otherwise Triton compiles it for the GPU, with output tiles ``tiles``
   (default :func:`tile_sizes`), ``num_warps`` and ``num_stages`` (its
-  software pipeline's depth).
+  software pipeline's depth). ``scaling="product"`` de-scales by the
+  plain product of the two factors (cheaper, but it leaves float32's range
+  at extreme scales): for measurements only.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np
@@ -103,17 +111,17 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   # Whole tiles: padding rows are zeros with factor 1, and cut off below.
   a = jnp.pad(qa.reshape(b, p, nb * bs), [(0, 0), (0, pp - p), (0, 0)])
   bq = jnp.pad(qb.reshape(b, q, nb * bs), [(0, 0), (0, qp - q), (0, 0)])
-  ia = jnp.pad(ia.astype(_F32), [(0, 0), (0, pp - p), (0, 0)],
-               constant_values=1.0)
-  # Column factors as (B, nb, Q): a block's factors load as one (1, bn) row.
+  # Factors as (B, nb, P) and (B, nb, Q): a block's load as one row.
+  iat = jnp.pad(jnp.swapaxes(ia.astype(_F32), 1, 2),
+                [(0, 0), (0, 0), (0, pp - p)], constant_values=1.0)
   ibt = jnp.pad(jnp.swapaxes(ib.astype(_F32), 1, 2),
                 [(0, 0), (0, 0), (0, qp - q)], constant_values=1.0)
   out = pl.pallas_call(
-      functools.partial(_kernel, nb=nb, bs=bs),
+      functools.partial(_kernel, nb=nb, bs=bs, scaling=scaling),
       grid=(b, pp // bm, qp // bn),
       in_specs=[
           pl.BlockSpec((None, bm, nb * bs), lambda i, j, k: (i, j, 0)),
-          pl.BlockSpec((None, bm, nb), lambda i, j, k: (i, j, 0)),
+          pl.BlockSpec((None, nb, bm), lambda i, j, k: (i, 0, j)),
           pl.BlockSpec((None, bn, nb * bs), lambda i, j, k: (i, k, 0)),
           pl.BlockSpec((None, nb, bn), lambda i, j, k: (i, 0, k)),
       ],
@@ -122,5 +130,5 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
       interpret=interpret,
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=num_warps, num_stages=num_stages),
-  )(a, ia, bq, ibt)
+  )(a, iat, bq, ibt)
   return out[:, :p, :q]

@@ -180,6 +180,10 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       out_specs=[tile_spec, *quad, *quad],
       out_shape=[jax.ShapeDtypeStruct((padded, wide), F32),
                  *quad_shapes(mu), *quad_shapes(nu)],
+      # The new codes, scales, outliers and indices overwrite the old ones
+      # in place (each program reads its tile before it writes it): with
+      # the state donated, no copy into the donated buffers after.
+      input_output_aliases={i: i - 1 for i in range(2, 10)},
       interpret=interpret,
       # Triton named on GPUs: JAX 0.10 would otherwise pick Mosaic GPU.
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1)
