@@ -233,6 +233,10 @@ def test_option_validation(kwargs, error, match):
     jmp_lite.autocast(mlp_loss, jnp.bfloat16, **kwargs)
 
 
+# Two 300-step trainings (a fidelity run, as in tests/test_fidelity.py): the
+# slow set. That autocast runs the matmuls in FP8 (and which ones) is tested
+# by default above.
+@pytest.mark.slow
 def test_autocast_fp8_trains_the_digits_mlp_like_bf16():
   # Fidelity through autocast: the digits MLP written in float32, trained
   # with examples.fit under autocast(bf16) and autocast(bf16, fp8=current)
