@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def main() -> None:
     ga, ga_inv = quantize_blocks(x, Layout("vector", E5M2))
     qb, ib = quantize_blocks(w, Layout("square", E4M3))
     t8a, t8b = x.astype(E4M3)[0], w.astype(E4M3)[0]
-    fns = {
+    fns: dict[str, tuple[Any, tuple[jax.Array, ...]]] = {
         "bf16": (jax.jit(lambda a, b: jnp.einsum(
             "mk,nk->mn", a, b, preferred_element_type=jnp.float32).astype(
                 jnp.bfloat16)), (x[0], w[0])),

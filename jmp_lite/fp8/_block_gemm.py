@@ -36,18 +36,20 @@ _F32 = np.dtype(np.float32)
 
 
 def tile_sizes(p: int, q: int) -> tuple[int, int]:
-  """The output tile ``(bm, bn)`` for a ``(P, Q)`` product: 128 x 128, or
+  """The output tile ``(bm, bn)`` for a ``(P, Q)`` product: 128 x 64, or
   the dimension's next power of two (at least 16, the tensor cores'
-  smallest) where it is shorter.
+  smallest) where it is shorter. Of the tiles tried on an H100 (64 to 256
+  a side, ``benchmarks/fp8_block_gemm.py``), 128 x 64 with 4 warps and a
+  4-stage pipeline ran fastest at both of a Transformer block's shapes.
 
   Example:
     >>> from jmp_lite.fp8._block_gemm import tile_sizes
     >>> tile_sizes(8192, 40)
     (128, 64)
   """
-  def one(n: int) -> int:
-    return min(128, max(16, 1 << (max(n, 1) - 1).bit_length()))
-  return one(p), one(q)
+  def one(n: int, most: int) -> int:
+    return min(most, max(16, 1 << (max(n, 1) - 1).bit_length()))
+  return one(p, 128), one(q, 64)
 
 
 def _kernel(a_ref, iat_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int,
@@ -81,7 +83,7 @@ def _kernel(a_ref, iat_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int,
 def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
                      ib: jax.Array, *, interpret: bool = False,
                      tiles: tuple[int, int] | None = None, num_warps: int = 4,
-                     num_stages: int = 3, scaling: str = "safe"
+                     num_stages: int = 4, scaling: str = "safe"
                      ) -> jax.Array:
   """``qa (B, P, nb, bs)`` with de-scale factors ``ia (B, P, nb)`` times
   ``qb (B, Q, nb, bs)``, ``ib (B, Q, nb)``: float32 ``(B, P, Q)``, summed

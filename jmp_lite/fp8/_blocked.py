@@ -190,9 +190,9 @@ def _qdot(a: jax.Array, b: jax.Array, la: Layout, lb: Layout) -> jax.Array:
   if la.kind == lb.kind == "mx":
     return scaled_dot(qa, ia, qb, ib)
   if qa.shape[2] == 1:
-    # "row": one block, so one FP8 dot without the block axis (the dot
-    # per-tensor scaling runs, which XLA:GPU gives cuBLASLt's FP8 GEMM),
-    # de-scaled per row and column after.
+    # "row": one block, so one FP8 dot without the block axis (a second
+    # batch dimension of size 1 buys nothing), de-scaled per row and column
+    # after.
     part = fp8_matmul(qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))))
     return descale(part, ia[:, :, :1], jnp.swapaxes(ib, 1, 2))
   if _gpu_gemm(qa, qb):
