@@ -52,6 +52,8 @@ flax.__version__, "optax", optax.__version__, jax.devices())'
 # GEMM): equal to the XLA path, run by the recipes.
 run 60 tests python3 -m pytest -q -p no:cacheprovider -n 0 -k gpu \
   ../tests/test_fused_quantized.py ../tests/test_fp8_block_gemm.py
+# The fused Adam kernel at 4 and 8 warps per program (registers: 191, 78).
+run 60 fused_adam_warps python3 fused_adam_warps.py --rounds "${ROUNDS:-7}"
 # 8-bit states and the fused quantized_adam kernel against SR(adam) at the
 # seeds' 3 x 4096, then every row at 4 x 1024.
 run 120 quantized_step_cost python3 quantized_step_cost.py --fused \

@@ -7,9 +7,12 @@ contracting block of ``bs`` elements (DeepSeek-V3's 1x128 activation and
 FP8 dots in a ``lax.scan``, each a full pass over the float32 output: on a
 GPU ``nb`` thin GEMMs and as many read-modify-writes of the output. Here
 one kernel program owns a ``bm x bn`` output tile in registers and walks
-the contracting blocks: per block one FP8 x FP8 tensor-core product into a
-fresh float32 tile, de-scaled by the block's row and column factors and
-added to the accumulator, the structure of DeepGEMM's FP8 GEMM. The sums
+the contracting blocks: per block one tensor-core product of the FP8
+operands into a fresh float32 tile, de-scaled by the block's row and
+column factors and added to the accumulator, the structure of DeepGEMM's
+FP8 GEMM. (Pallas' Triton lowering leaves the dot's ``maxNumImpreciseAcc``
+at 0, so on Hopper Triton widens the operands to float16 and uses
+``mma.sync``, not FP8 ``wgmma``: docs/fp8.md.) The sums
 are :func:`looped_dot`'s, block by block in the same order; within a block
 the tensor cores' order may differ (float32 rounding).
 

@@ -45,8 +45,12 @@ from jmp_lite.low_precision._quantized import (
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
 
 _KERNELS = ("auto", "pallas", "interpret", "xla")
-# Blocks per kernel program: 8 rows of a block each (a (8, 256) tile).
+# Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With
+# 4 warps ptxas gave each thread 191 registers (16 elements each): 8 warps
+# per multiprocessor; with 8 warps, 78 registers: 24 warps per
+# multiprocessor (compiled for sm_90a off the GPU; speed unmeasured).
 _TILE = 8
+_WARPS = 8
 
 
 def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
@@ -186,7 +190,7 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       input_output_aliases={i: i - 1 for i in range(2, 10)},
       interpret=interpret,
       # Triton named on GPUs: JAX 0.10 would otherwise pick Mosaic GPU.
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1)
+      compiler_params=pltriton.CompilerParams(num_warps=_WARPS, num_stages=1)
       if not interpret and jax.default_backend() == "gpu" else None,
   )(meta, flat_blocks(_blocks(g, bs)), *side(mu), *side(nu))
 
