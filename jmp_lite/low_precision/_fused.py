@@ -60,12 +60,12 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
             stochastic: bool, dims: tuple[int, int, int, int, int, int]
             ) -> None:
   """One tile of ``_TILE`` blocks: decode, Adam in float32, encode."""
-  rows, n, r, c, col_blocks, size = dims
+  rows, n, r, c, col_blocks, block_len = dims
   # Scalars read one by one (Triton has no slice of a loaded vector).
   meta = [meta_ref[i] for i in range(8)]
   # The gradient in its own dtype: cast here, not in a pass before.
   g = g_ref[...].astype(F32)
-  tile, size = g.shape
+  tile = g.shape[0]
   # Each element's place in the leaf: padding is zeroed, as the XLA path
   # pads the new moments with zeros, and the random bits hash the flat index.
   block = (pl.program_id(0) * tile
@@ -73,8 +73,9 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
   e = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
   row = (block // col_blocks) * r + e // c
   col = (block % col_blocks) * c + e % c
-  # Elements past ``size`` pad a block to a power of two (Triton's tiles).
-  valid = (row < rows) & (col < n) & (e < size)
+  # Elements past ``block_len`` pad a block to a power of two (Triton's
+  # tiles); read as code 0, they would decode to -scale.
+  valid = (row < rows) & (col < n) & (e < block_len)
   flat = row.astype(jnp.uint32) * np.uint32(n % 2**32) + col.astype(
       jnp.uint32)
 
