@@ -7,7 +7,10 @@ Adam's moment update in float32, takes each new moment's outlier and scale
 from the new values, draws the stochastic codes' bits and writes the codes,
 in one pass over the state with nothing materialised in between. Elsewhere (the
 CPU), and for states it cannot take, it runs :func:`quantized_states`' XLA
-path; both write the same codes, scales and outliers, bit for bit.
+path; both write the same codes, scales and outliers, bit for bit, except
+where a block's largest elements tie to within 2**-20: the kernel keeps the
+first of them as the outlier, the XLA path the largest as XLA computed it
+(which may differ by an ulp between equal inputs).
 """
 
 from __future__ import annotations
