@@ -210,8 +210,8 @@ def main() -> None:
   parser.add_argument("--dump", type=pathlib.Path, default=None,
                       help="write each variant's compiled HLO text here")
   parser.add_argument("--variants", nargs="+", default=None,
-                      help="only these variants (bf16 always runs: the"
-                      " baseline)")
+                      help="only these variants, in this order (bf16"
+                      " always runs first: the baseline)")
   args = parser.parse_args()
   d, heads = args.width, args.heads
   if d % heads:
@@ -230,8 +230,8 @@ def main() -> None:
     unknown = set(args.variants) - set(specs)
     if unknown:
       parser.error(f"unknown variants {sorted(unknown)}; known: {list(specs)}")
-    specs = {n: v for n, v in specs.items()
-             if n == "bf16" or n in args.variants}
+    # bf16 first, then the variants in the order given.
+    specs = {n: specs[n] for n in dict.fromkeys(["bf16", *args.variants])}
   rows, compiled, states = [], {}, {}
   header = (f"{'variant':12} {'fp8 dots':>8} {'gemms f8/all':>12}"
             f" {'bytes (MB)':>10} {'peak (MB)':>9} {'residuals (MB)':>14}"
