@@ -332,3 +332,44 @@ def test_fp8_granularity_plot_runs(tmp_path):
   for fine in ("per row", "block 128", "MXFP8 (32)"):
     assert medians[fine] < medians["per tensor"] / 5, medians
   assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_quantized_step_cost_benchmark_runs_small_on_cpu():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/quantized_step_cost.py", "--width", "64",
+       "--depth", "2", "--batch", "8", "--steps", "1", "--rounds", "1",
+       "--fused", "--only", "adam, 8));quantized_adam(8)"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=600)
+  rows = {cells[1]: cells[2:-1] for cells in (
+      [c.strip() for c in line.split("|")] for line in out.stdout.splitlines()
+      if line.startswith("| SR("))}
+  # --only runs the chosen rows and the baseline they need, nothing else.
+  assert set(rows) == {"SR(adam)", "SR(quantized_states(adam, 8))",
+                       "SR(quantized_adam(8))"}, out.stdout
+  base = [float(c) for c in rows["SR(adam)"]]
+  # bytes, ratio, flops, ratio, fusions, opt ms, ratio, full ms, ratio.
+  assert len(base) == 9 and base[1] == base[3] == base[6] == base[8] == 1.0
+  # On the CPU quantized_adam runs quantized_states' XLA path: same cost.
+  assert rows["SR(quantized_adam(8))"][:4] == rows[
+      "SR(quantized_states(adam, 8))"][:4]
+
+
+@pytest.mark.slow
+def test_block_gemm_benchmark_runs_the_kernel_interpreted_on_cpu():
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+      [sys.executable, "benchmarks/fp8_block_gemm.py", "--tokens", "32",
+       "--width", "128", "--rounds", "1"],
+      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+      timeout=600)
+  rows = [[c.strip() for c in line.split("|")[1:-1]]
+          for line in out.stdout.splitlines() if line.startswith("| ")
+          and "---" not in line and "variant" not in line]
+  names = [r[0] for r in rows]
+  # Two shapes, each: bf16, the two references and the interpreted kernel.
+  assert names == ["bf16", "fp8 per-tensor", "looped_dot",
+                   "kernel e4m3 (interpreter)"] * 2, out.stdout
+  assert all(float(r[3]) > 0 for r in rows)
