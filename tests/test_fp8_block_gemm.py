@@ -53,6 +53,12 @@ def test_a_nonfinite_block_poisons_its_row_only():
   assert np.isfinite(np.delete(got[0], 5, 0)).all()
 
 
+def test_unknown_scaling_is_refused():
+  qa, ia, qb, ib = _operands(4, 1, 16, 16, 64)
+  with pytest.raises(ValueError, match="scaling must be 'safe' or 'product'"):
+    block_scaled_dot(qa, ia, qb, ib, interpret=True, scaling="exact")
+
+
 def test_tile_sizes_are_powers_of_two_between_16_and_the_measured_best():
   assert tile_sizes(8192, 4096) == (128, 64)
   assert tile_sizes(3, 100) == (16, 64)

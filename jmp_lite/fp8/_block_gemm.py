@@ -64,8 +64,7 @@ def _kernel(a_ref, iat_ref, b_ref, ibt_ref, out_ref, *, nb: int, bs: int,
     if a.dtype != b.dtype:
       # E5M2 times E4M3 (a gradient times a weight): Triton's FP8 dot takes
       # one format, so both go to float16, which holds every value of each
-      # exactly (the products are exact in float32 either way), on the
-      # float16 tensor cores at half the FP8 rate.
+      # exactly (the products are exact in float32 either way).
       a, b = a.astype(jnp.float16), b.astype(jnp.float16)
     part = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -109,6 +108,10 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
     >>> out.shape, float(out[0, 0, 0])  # 2 blocks x 16 x 0.25
     ((1, 16, 16), 8.0)
   """
+  if scaling not in ("safe", "product"):
+    raise ValueError(
+        f"block_scaled_dot: scaling must be 'safe' or 'product', got"
+        f" {scaling!r}")
   b, p, nb, bs = qa.shape
   q = qb.shape[1]
   bm, bn = tiles or tile_sizes(p, q)
