@@ -96,6 +96,22 @@ def test_demo_rejects_bad_options():
     demo.main(["--runs", "f8"])
 
 
+def _run_script(argv: list[str], *, cpu: bool = True,
+                devices: int | None = None, timeout: int = 600
+                ) -> subprocess.CompletedProcess[str]:
+  """Runs ``python argv...`` from the checkout (a benchmark script), on the
+  CPU unless ``cpu=False``, with ``devices`` forced host devices; fails the
+  test if it exits non-zero."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  if cpu:
+    env["JAX_PLATFORMS"] = "cpu"
+  if devices is not None:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return subprocess.run([sys.executable, *argv], capture_output=True,
+                        text=True, check=True, cwd=ROOT, env=env,
+                        timeout=timeout)
+
+
 def test_python_dash_m_help():
   out = subprocess.run([sys.executable, "-m", "jmp_lite", "--help"],
                        capture_output=True, text=True, check=True, cwd=ROOT)
@@ -105,12 +121,10 @@ def test_python_dash_m_help():
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_loss_scaling_benchmark_runs_small():
   pytest.importorskip("flax")
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/loss_scaling_overhead.py", "--width", "64",
+  out = _run_script(
+      ["benchmarks/loss_scaling_overhead.py", "--width", "64",
        "--depth", "2", "--batch", "8", "--steps", "1", "--rounds", "1",
-       "--compute", "f32"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+       "--compute", "f32"])
   for row in ("| plain |", "| jmp_lite.update_and_apply |",
               "| loss_scaled.update + apply_updates |", "| Flax DynamicScale |",
               "| optax.apply_if_finite (no scaling) |",
@@ -122,12 +136,10 @@ def test_loss_scaling_benchmark_runs_small():
 
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_gpu_step_benchmark_runs_small_on_cpu():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/gpu_step.py", "--width", "32",
+  out = _run_script(
+      ["benchmarks/gpu_step.py", "--width", "32",
        "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "2",
-       "--compute", "f16"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+       "--compute", "f16"])
   rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
           for line in out.stdout.splitlines() if line.startswith("| ")}
   # The conditionals column: the cond formulation keeps one on the CPU.
@@ -147,11 +159,9 @@ def test_gpu_step_benchmark_runs_small_on_cpu():
 
 @pytest.mark.slow   # a benchmark script in a subprocess: about 30 s
 def test_optimizer_memory_benchmark_runs_small():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/optimizer_memory.py", "--width", "64",
-       "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+  out = _run_script(
+      ["benchmarks/optimizer_memory.py", "--width", "64",
+       "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"])
   rows = {line.split("|")[1].strip(): [float(c) for c in
                                        line.split("|")[2:-1]]
           for line in out.stdout.splitlines()
@@ -182,13 +192,12 @@ def test_optimizer_memory_benchmark_runs_small():
 
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_policy_overhead_benchmark_runs_small():
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  out = subprocess.run(
-      [sys.executable, "benchmarks/policy_overhead.py", "--width", "32",
+  out = _run_script(
+      ["benchmarks/policy_overhead.py", "--width", "32",
        "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1",
        "--model-dim", "32", "--seq", "8", "--seq-batch", "2",
        "--lower-layers", "2", "--lower-dim", "32", "--lower-repeats", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+      cpu=False)
   assert "jmp_lite policy" in out.stdout and "Residuals" in out.stdout
   assert "bfloat16, remat_norms" in out.stdout
   assert "first lowering" in out.stdout and "later, wall-clock" in out.stdout
@@ -197,11 +206,10 @@ def test_policy_overhead_benchmark_runs_small():
 
 @pytest.mark.slow   # a benchmark script in a subprocess: 14-33 s
 def test_autocast_benchmark_runs_small():
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
-  out = subprocess.run(
-      [sys.executable, "benchmarks/autocast_overhead.py", "--width", "32",
+  out = _run_script(
+      ["benchmarks/autocast_overhead.py", "--width", "32",
        "--depth", "2", "--batch", "8", "--steps", "2", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+      cpu=False)
   assert "jmp_lite.autocast" in out.stdout and "Time to lower" in out.stdout
   # The by-hand baseline places every cast where autocast does: one program.
   rows = {line.split("|")[1].strip(): line.split("|")[2:4]
@@ -233,13 +241,10 @@ def test_progress_writes_plain_lines_when_not_a_terminal():
 
 @pytest.mark.slow
 def test_multi_gpu_benchmark_runs_small_on_host_devices():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/multi_gpu_step.py", "--width", "64",
+  out = _run_script(
+      ["benchmarks/multi_gpu_step.py", "--width", "64",
        "--depth", "2", "--batch", "16", "--steps", "1", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=600)
+      devices=4)
   assert out.stdout.startswith("4 x cpu"), out.stdout
   for layout in ("dp", "fsdp"):
     assert f"{layout}: loss scaling adds" in out.stdout
@@ -251,13 +256,10 @@ def test_multi_gpu_benchmark_runs_small_on_host_devices():
 
 @pytest.mark.slow
 def test_fp8_gather_bytes_benchmark_runs_small_on_host_devices():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/fp8_gather_bytes.py", "--width", "512",
+  out = _run_script(
+      ["benchmarks/fp8_gather_bytes.py", "--width", "512",
        "--depth", "2", "--batch", "16"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=600)
+      devices=4)
   assert out.stdout.startswith("4 x cpu"), out.stdout
   rows = {}
   for line in out.stdout.splitlines():
@@ -284,12 +286,9 @@ def test_fp8_gather_bytes_benchmark_runs_small_on_host_devices():
 
 @pytest.mark.slow
 def test_gpu_fp8_benchmark_runs_each_granularity_small_on_cpu():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/gpu_fp8.py", "--width", "32", "--seq", "8",
-       "--heads", "2", "--batch", "1", "--steps", "1", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=600)
+  out = _run_script(
+      ["benchmarks/gpu_fp8.py", "--width", "32", "--seq", "8",
+       "--heads", "2", "--batch", "1", "--steps", "1", "--rounds", "1"])
   rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()
           if line.startswith(("bf16 ", "fp8-"))}
   # Row, block and MX: FP8 operands in the same 12 dots as per tensor (4
@@ -302,12 +301,9 @@ def test_gpu_fp8_benchmark_runs_each_granularity_small_on_cpu():
 
 @pytest.mark.slow
 def test_fp8_native_probe_runs_small_on_cpu():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/fp8_native_probe.py", "--size", "64",
-       "--steps", "1", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=300)
+  out = _run_script(
+      ["benchmarks/fp8_native_probe.py", "--size", "64",
+       "--steps", "1", "--rounds", "1"], timeout=300)
   rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")]
           for line in out.stdout.splitlines() if line.startswith("| ")}
   for name in ("jmp_lite MXFP8", "jmp_lite row", "jmp_lite block"):
@@ -320,12 +316,9 @@ def test_fp8_native_probe_runs_small_on_cpu():
 @pytest.mark.slow
 def test_fp8_granularity_plot_runs(tmp_path):
   pytest.importorskip("matplotlib")
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/fp8_granularity_plot.py", "--out",
-       str(tmp_path / "plot.png")],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=300)
+  out = _run_script(
+      ["benchmarks/fp8_granularity_plot.py", "--out",
+       str(tmp_path / "plot.png")], timeout=300)
   medians = {line[:12].strip(): float(line.split()[-1])
              for line in out.stdout.splitlines() if "median" in line}
   assert set(medians) == {"per tensor", "per row", "block 128", "MXFP8 (32)"}
@@ -336,13 +329,10 @@ def test_fp8_granularity_plot_runs(tmp_path):
 
 @pytest.mark.slow
 def test_quantized_step_cost_benchmark_runs_small_on_cpu():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/quantized_step_cost.py", "--width", "64",
+  out = _run_script(
+      ["benchmarks/quantized_step_cost.py", "--width", "64",
        "--depth", "2", "--batch", "8", "--steps", "1", "--rounds", "1",
-       "--fused", "--only", "adam, 8));quantized_adam(8)"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=600)
+       "--fused", "--only", "adam, 8));quantized_adam(8)"])
   rows = {cells[1]: cells[2:-1] for cells in (
       [c.strip() for c in line.split("|")] for line in out.stdout.splitlines()
       if line.startswith("| SR("))}
@@ -359,12 +349,9 @@ def test_quantized_step_cost_benchmark_runs_small_on_cpu():
 
 @pytest.mark.slow
 def test_block_gemm_benchmark_runs_the_kernel_interpreted_on_cpu():
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-      [sys.executable, "benchmarks/fp8_block_gemm.py", "--tokens", "32",
-       "--width", "128", "--rounds", "1"],
-      capture_output=True, text=True, check=True, cwd=ROOT, env=env,
-      timeout=600)
+  out = _run_script(
+      ["benchmarks/fp8_block_gemm.py", "--tokens", "32",
+       "--width", "128", "--rounds", "1"])
   rows = [[c.strip() for c in line.split("|")[1:-1]]
           for line in out.stdout.splitlines() if line.startswith("| ")
           and "---" not in line and "variant" not in line]
