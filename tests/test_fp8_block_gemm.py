@@ -85,6 +85,34 @@ def test_kernel_lowers_for_a_gpu():
   assert exported.mlir_module().count("xla.gpu.triton") == 1
 
 
+@pytest.mark.skipif(jax.__version_info__ < (0, 11),
+                    reason="JAX 0.10's CPU wheel has no Triton lowering")
+def test_block_recipe_picks_the_kernel_by_lowering_platform():
+  # Lowered for a CUDA GPU, the three matmuls of a "block" dot (forward,
+  # input and weight gradients) are Triton kernels; lowered for the CPU,
+  # the same function has none: the platform decides, not the default
+  # backend of the process.
+  recipe = fp8.CurrentScaling(granularity="block")
+
+  def loss(x, w):
+    return fp8.dot_general(recipe)(
+        x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32).sum()
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  args = (jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384),
+                                                         jnp.bfloat16))
+  device = jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with jax.sharding.use_abstract_mesh(mesh):
+    cuda = jax.export.export(fn, platforms=["cuda"],
+                             disabled_checks=[triton])(*args)
+  assert cuda.mlir_module().count("xla.gpu.triton") == 3
+  cpu = jax.export.export(fn, platforms=["cpu"])(*args)
+  assert "triton" not in cpu.mlir_module()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the compiled kernel: a GPU")
 def test_block_recipe_runs_the_kernel_on_gpu():

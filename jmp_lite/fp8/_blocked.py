@@ -195,18 +195,24 @@ def _qdot(a: jax.Array, b: jax.Array, la: Layout, lb: Layout) -> jax.Array:
     # after.
     part = fp8_matmul(qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))))
     return descale(part, ia[:, :, :1], jnp.swapaxes(ib, 1, 2))
-  if _gpu_gemm(qa, qb):
-    return _varying_as(block_scaled_dot(qa, ia, qb, ib), qa, qb)
-  return looped_dot(qa, ia, qb, ib)
+  if not _gemm_fits(qa, qb):
+    return looped_dot(qa, ia, qb, ib)
+  # The kernel where the program is lowered for a CUDA GPU, the scan
+  # elsewhere: decided per lowering platform, not by the default backend
+  # (a CPU computation on a GPU host must not get a GPU kernel).
+  return jax.lax.platform_dependent(
+      qa, ia, qb, ib,
+      cuda=lambda *a: _varying_as(block_scaled_dot(*a), qa, qb),
+      default=looped_dot)
 
 
-def _gpu_gemm(qa: jax.Array, qb: jax.Array) -> bool:
-  """Whether "block" runs as one Pallas GEMM kernel: on GPUs, for dots
-  large enough for a GEMM (the tensor cores' tiles are 16 wide) with
-  power-of-two blocks (Triton's tiles)."""
+def _gemm_fits(qa: jax.Array, qb: jax.Array) -> bool:
+  """Whether "block" can run as one Pallas GEMM kernel: dots large enough
+  for a GEMM (the tensor cores' tiles are 16 wide) with power-of-two
+  blocks (Triton's tiles)."""
   bs = qa.shape[3]
-  return (jax.default_backend() == "gpu" and min(qa.shape[1], qb.shape[1])
-          >= 16 and bs >= 16 and bs & (bs - 1) == 0)
+  return (min(qa.shape[1], qb.shape[1]) >= 16 and bs >= 16
+          and bs & (bs - 1) == 0)
 
 
 def batched_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,

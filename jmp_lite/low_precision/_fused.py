@@ -241,8 +241,9 @@ def quantized_adam(
   each block's moments are decoded, updated in float32 and re-encoded, the
   block's outlier and scale taken from the new values, in one pass.
 
-  ``kernel`` picks the path: ``"auto"`` (the kernel on GPUs,
-  the XLA path of :func:`quantized_states` elsewhere), ``"pallas"``,
+  ``kernel`` picks the path: ``"auto"`` (the kernel where the step is
+  lowered for a CUDA GPU, the XLA path of :func:`quantized_states`
+  elsewhere, a CPU computation on a GPU host included), ``"pallas"``,
   ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
   tests) or ``"xla"``. Both paths write the same codes, scales and
   outliers. The kernel hashes each element's index in the whole array for
@@ -299,11 +300,6 @@ def quantized_adam(
   declared = contract.contract_of(base)
   assert isinstance(declared, contract.Forwarding)
 
-  def use_kernel() -> bool:
-    if kernel == "auto":
-      return jax.default_backend() == "gpu"
-    return kernel in ("pallas", "interpret")
-
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
             **extra: Any) -> tuple[Any, QuantizedStatesState]:
     check_own_state(state, QuantizedStatesState, "quantized_adam")
@@ -343,12 +339,23 @@ def quantized_adam(
         seed=state.seed, count=state.count + jnp.uint32(1),
         inner_state=(new_adam, rest), config=state.config)
 
+  def auto(updates: Any, state: QuantizedStatesState, params: Any = None,
+           **extra: Any) -> tuple[Any, QuantizedStatesState]:
+    # Per lowering platform, not by the process's default backend: a CPU
+    # computation on a GPU host takes the XLA path (a Triton kernel cannot
+    # lower for the CPU). Both write the same state.
+    xla = declared.rebind(adam.update)
+    return jax.lax.platform_dependent(
+        updates, state,
+        cuda=lambda u, s: fused(u, s, params, **extra),
+        default=lambda u, s: xla(u, s, params, **extra))
+
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     # Adam's own update runs fused; another (a guard's rebinding) the XLA
     # path with it.
-    if inner_update is adam.update and use_kernel():
-      return fused
-    return declared.rebind(inner_update)
+    if inner_update is not adam.update or kernel == "xla":
+      return declared.rebind(inner_update)
+    return auto if kernel == "auto" else fused
 
   return optax.GradientTransformationExtraArgs(
       base.init, contract.declare(rebind(adam.update), contract.Forwarding(
