@@ -147,9 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       (args.dump / f"qcost_{safe}.hlo.txt").write_text(hlo)
     nbytes, flops = cost(compiled)
     # The optimizer step alone (update + apply, donated) on its own copy.
-    opt_state = (jax.tree.map(lambda p: p.copy(), params0), None)
-    opt_state = (opt_state[0], opt.init(opt_state[0]))
-    opt_state = jax.block_until_ready(compiled(opt_state, grads))
+    own = jax.tree.map(lambda p: p.copy(), params0)
+    opt_state = jax.block_until_ready(compiled((own, opt.init(own)), grads))
     full = jax.jit(step, donate_argnums=0)
     state = jax.block_until_ready(full(full(state, x, y), x, y))
     return {"bytes": nbytes / n_params, "flops": flops / n_params,
