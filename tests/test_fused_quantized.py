@@ -180,15 +180,20 @@ def test_another_configurations_state_is_refused():
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="JAX 0.10's CPU wheel has no Triton lowering")
-@pytest.mark.parametrize("bits", [8, 4])
-def test_kernel_lowers_for_a_gpu(bits):
+@pytest.mark.parametrize("bits,rounding,scale_dtype", [
+    (8, "stochastic", "float32"), (4, "stochastic", "float32"),
+    (8, "nearest", "float32"), (8, "stochastic", "bfloat16"),
+    (4, "nearest", "bfloat16")])
+def test_kernel_lowers_for_a_gpu(bits, rounding, scale_dtype):
   # Pallas' Triton lowering refuses what the interpreter runs (slices,
-  # gathers, any-reductions, tiles that are not powers of two): lower each
-  # leaf shape for an H100 from this host, as a GPU would compile it.
+  # gathers, any-reductions, tiles that are not powers of two, round, a
+  # bfloat16 nextafter): lower each leaf shape and every option for an
+  # H100 from this host, as a GPU would compile it.
   device = jax.sharding.AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  opt = quantized_adam(1e-3, bits=bits, block_size=64, kernel="pallas")
+  opt = quantized_adam(1e-3, bits=bits, block_size=64, kernel="pallas",
+                       rounding=rounding, scale_dtype=scale_dtype)
   params = _params()
   state = opt.init(params)
   triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")

@@ -16,6 +16,10 @@ import pytest
 
 import jmp_lite
 from jmp_lite.low_precision import QuantizedArray, QuantizedStatesState
+from jmp_lite.low_precision._blockwise import (
+  _bfloat16_ceiling,
+  _round_half_up,
+)
 from jmp_lite.low_precision._blockwise import POWERS as _POWERS
 from jmp_lite.low_precision._quantized import (
   bytes_per_element,
@@ -198,6 +202,33 @@ def test_bfloat16_scales():
   assert float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x)) < 0.01
   # Per block: a bfloat16 scale, the float32 outlier and its uint8 index.
   assert bytes_per_element(8, 64, jnp.bfloat16) == 1 + (2 + 4 + 1) / 64
+
+
+
+@pytest.mark.parametrize("x", [
+    0.0, 1.0, 1.0000001, 3.3, 1e-30, 3.3e38, 3.3895314e38, 3.39e38,
+    float(np.finfo(np.float32).max)])
+def test_bfloat16_scales_round_up_by_their_bits(x):
+  # The scale is the least bfloat16 at or above the block's magnitude (up
+  # to bfloat16's largest), computed from float32 bits: the kernel's
+  # Triton lowering has no bfloat16 nextafter.
+  x32 = np.float32(x)
+  got = float(jax.jit(_bfloat16_ceiling)(x32))
+  largest = float(jnp.finfo(jnp.bfloat16).max)
+  grid_ = np.arange(0, 2**15, dtype=np.uint32) << 16
+  values = grid_.view(np.float32)
+  want = float(values[values >= x32].min()) if x32 <= largest else largest
+  assert got == want
+  assert float(jnp.asarray(got, jnp.bfloat16)) == got
+
+
+def test_nearest_codes_round_halves_up_without_round():
+  # floor(x + 0.5) would take 0.49999997 to 1; Triton has no round.
+  x = np.array([0.49999997, 0.5, 1.5, 2.5, -0.5, -0.7, 254.49998, 254.5],
+               np.float32)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(_round_half_up)(x)),
+      [0.0, 1.0, 2.0, 3.0, 0.0, -1.0, 254.0, 255.0])
 
 
 # ----------------------------------------------------------- the transform

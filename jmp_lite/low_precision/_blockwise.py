@@ -263,6 +263,31 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   return where, outlier, rest
 
 
+_BF16_MAX_BITS = np.int32(0x7F7F0000)
+
+
+def _bfloat16_ceiling(x: jax.Array) -> jax.Array:
+  """The least bfloat16 at or above the magnitude ``x`` (finite float32),
+  up to bfloat16's largest, as float32 (exactly a bfloat16).
+
+  By the float32 bits (bfloat16 is their top half), not by a cast and
+  ``nextafter``: Pallas' Triton lowering has no bfloat16 ``nextafter``.
+  Up to bfloat16's largest, not to inf: a block between 3.39e38 and
+  float32's max would otherwise come back NaN; above bfloat16's max,
+  elements saturate at it."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32) & np.int32(0x7FFFFFFF)
+  up = (bits + np.int32(0xFFFF)) & np.int32(-0x10000)
+  return jax.lax.bitcast_convert_type(jnp.minimum(up, _BF16_MAX_BITS), F32)
+
+
+def _round_half_up(x: jax.Array) -> jax.Array:
+  """``x`` to the nearest integer, halves up: Pallas' Triton lowering has
+  no ``round``, and ``floor(x + 0.5)`` takes 0.49999997 to 1 (the sum
+  rounds). ``x - floor(x)`` is exact."""
+  low = jnp.floor(x)
+  return low + (x - low >= 0.5).astype(x.dtype)
+
+
 def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
                   signed: bool, power: float, scale_dtype: Any = F32,
                   stats: Any = None
@@ -288,14 +313,8 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
   scales = absmax.astype(scale_dtype)
   if np.dtype(scale_dtype) != F32:
-    # Up to the storage dtype's largest, not to inf: a bfloat16 scale of a
-    # block between 3.39e38 and float32's max rounded to inf, and the whole
-    # block came back NaN; above bfloat16's max, elements saturate at it.
-    largest = jnp.finfo(scale_dtype).max
-    scales = jnp.minimum(absmax, np.float32(largest)).astype(scale_dtype)
-    scales = jnp.where(
-        (scales.astype(F32) < absmax) & (scales < largest),
-        jnp.nextafter(scales, jnp.asarray(jnp.inf, scales.dtype)), scales)
+    scales = _bfloat16_ceiling(absmax).astype(scale_dtype)
+  # What is stored (a backend may flush a subnormal bfloat16 scale to 0).
   wide = scales.astype(F32)[..., None]
   # Other non-finite elements saturate (NaN to zero); the outlier's own
   # code is never read.
@@ -312,7 +331,7 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   if signed:
     top = 2 ** (bits - 1) - 1
     if noise is None:
-      magnitude = jnp.round(companded * top)
+      magnitude = _round_half_up(companded * top)
     else:
       # Between the two codes around |y|, up with the probability that
       # makes the decoded value's expectation |y| (unbiased in y).
@@ -326,7 +345,8 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   else:
     levels = 2**bits
     if noise is None:
-      k = jnp.clip(jnp.round(companded * levels - 1.0), 0, levels - 1)
+      k = jnp.clip(_round_half_up(companded * levels - 1.0), 0,
+                   levels - 1)
     else:
       # Unbiased in sqrt(v), what Adam divides by (unbiased in v made the
       # digits MLP's 4-bit steps 13% longer than float32's: E[1 / sqrt(v)]
