@@ -59,6 +59,15 @@ def test_unknown_scaling_is_refused():
     block_scaled_dot(qa, ia, qb, ib, interpret=True, scaling="exact")
 
 
+@pytest.mark.parametrize("block,tiles,bad", [
+    (24, None, "'block size': 24"), (32, (48, 64), "'tile rows': 48"),
+    (32, (128, 100), "'tile columns': 100")])
+def test_sizes_triton_cannot_tile_are_refused(block, tiles, bad):
+  qa, ia, qb, ib = _operands(4, 1, 32, 32, 2 * block, bs=block)
+  with pytest.raises(ValueError, match=f"powers of two, got .*{bad}"):
+    block_scaled_dot(qa, ia, qb, ib, tiles=tiles)
+
+
 def test_tile_sizes_are_powers_of_two_between_16_and_the_measured_best():
   assert tile_sizes(8192, 4096) == (128, 64)
   assert tile_sizes(3, 100) == (16, 64)
@@ -87,12 +96,17 @@ def test_kernel_lowers_for_a_gpu():
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="JAX 0.10's CPU wheel has no Triton lowering")
-def test_block_recipe_picks_the_kernel_by_lowering_platform():
+@pytest.mark.parametrize("formats,kernels", [
+    ({}, 3),
+    # Triton converts no fnuz format (the kernel's E5M2 x E4M3 product goes
+    # through float16): the scan, not a kernel that cannot lower.
+    (dict(fwd_dtype=jnp.float8_e4m3fnuz, bwd_dtype=jnp.float8_e5m2fnuz), 0)])
+def test_block_recipe_picks_the_kernel_by_lowering_platform(formats, kernels):
   # Lowered for a CUDA GPU, the three matmuls of a "block" dot (forward,
   # input and weight gradients) are Triton kernels; lowered for the CPU,
   # the same function has none: the platform decides, not the default
   # backend of the process.
-  recipe = fp8.CurrentScaling(granularity="block")
+  recipe = fp8.CurrentScaling(granularity="block", **formats)
 
   def loss(x, w):
     return fp8.dot_general(recipe)(
@@ -108,7 +122,7 @@ def test_block_recipe_picks_the_kernel_by_lowering_platform():
   with jax.sharding.use_abstract_mesh(mesh):
     cuda = jax.export.export(fn, platforms=["cuda"],
                              disabled_checks=[triton])(*args)
-  assert cuda.mlir_module().count("xla.gpu.triton") == 3
+  assert cuda.mlir_module().count("xla.gpu.triton") == kernels
   cpu = jax.export.export(fn, platforms=["cpu"])(*args)
   assert "triton" not in cpu.mlir_module()
 

@@ -234,11 +234,14 @@ def test_gradients_inside_shard_map_equal_the_unmapped_ones(name):
   # A batch that varies over the mesh axis times a replicated weight, as in
   # data parallelism under shard_map (check_vma): the dots' results and
   # gradients must carry the axis they vary over (JAX's lax.scaled_dot, MX's
-  # dot, forgets it), and the weight's gradient is summed over it.
+  # dot, forgets it), and the weight's gradient is summed over it. Shapes
+  # that reach the GPU kernel of "block" (two blocks, 32 rows and columns):
+  # lax.platform_dependent traces it on every platform, and its output
+  # type lacked the axis.
   from jax.sharding import PartitionSpec as P
   recipe = FINE[name]
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-  x, w = normal(1, (8, 64)), normal(2, (64, 16))
+  x, w = normal(1, (32, 64)), normal(2, (64, 32))
 
   def loss(x, w):
     return jnp.sum(dot(recipe, x, w) ** 2)

@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jmp_lite._jaxpr import varying_axes
 from jmp_lite.fp8._matmul import descale
 
 __all__ = ["block_scaled_dot", "tile_sizes"]
@@ -115,6 +116,13 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
   b, p, nb, bs = qa.shape
   q = qb.shape[1]
   bm, bn = tiles or tile_sizes(p, q)
+  # Triton's tiles and slices are powers of two (the interpreter runs any).
+  odd = {name: v for name, v in (("block size", bs), ("tile rows", bm),
+                                  ("tile columns", bn)) if v & (v - 1)}
+  if odd and not interpret:
+    raise ValueError(
+        f"block_scaled_dot: Triton needs powers of two, got {odd}; pad the"
+        " blocks or pick other tiles (or use looped_dot)")
   pp, qp = -(-p // bm) * bm, -(-q // bn) * bn
   # Whole tiles: padding rows are zeros with factor 1, and cut off below.
   a = jnp.pad(qa.reshape(b, p, nb * bs), [(0, 0), (0, pp - p), (0, 0)])
@@ -124,6 +132,15 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
                 [(0, 0), (0, 0), (0, pp - p)], constant_values=1.0)
   ibt = jnp.pad(jnp.swapaxes(ib.astype(_F32), 1, 2),
                 [(0, 0), (0, 0), (0, qp - q)], constant_values=1.0)
+  # Under shard_map (check_vma) every operand and the output must carry the
+  # mesh axes the product varies over.
+  axes = tuple(sorted(frozenset().union(
+      *map(varying_axes, (a, iat, bq, ibt)))))
+  if axes:
+    a, iat, bq, ibt = (
+        x if varying_axes(x) >= set(axes) else jax.lax.pcast(
+            x, tuple(sorted(set(axes) - varying_axes(x))), to="varying")
+        for x in (a, iat, bq, ibt))
   out = pl.pallas_call(
       functools.partial(_kernel, nb=nb, bs=bs, scaling=scaling),
       grid=(b, pp // bm, qp // bn),
@@ -134,7 +151,8 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
           pl.BlockSpec((None, nb, bn), lambda i, j, k: (i, 0, k)),
       ],
       out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, k: (i, j, k)),
-      out_shape=jax.ShapeDtypeStruct((b, pp, qp), _F32),
+      out_shape=jax.ShapeDtypeStruct(
+          (b, pp, qp), _F32, manual_axis_type=jax.typeof(a).manual_axis_type),
       interpret=interpret,
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=num_warps, num_stages=num_stages),

@@ -211,6 +211,9 @@ def _gemm_fits(qa: jax.Array, qb: jax.Array) -> bool:
   for a GEMM (the tensor cores' tiles are 16 wide) with power-of-two
   blocks (Triton's tiles)."""
   bs = qa.shape[3]
+  nv = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+  if qa.dtype not in nv or qb.dtype not in nv:
+    return False  # fnuz: Pallas' Triton lowering cannot convert them
   return (min(qa.shape[1], qb.shape[1]) >= 16 and bs >= 16
           and bs & (bs - 1) == 0)
 
