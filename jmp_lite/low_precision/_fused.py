@@ -54,6 +54,17 @@ _KERNELS = ("auto", "pallas", "interpret", "xla")
 # multiprocessor (compiled for sm_90a off the GPU; speed unmeasured).
 _TILE = 8
 _WARPS = 8
+# Elements per program at most: wider blocks take fewer per program (8 x
+# 1024 took 3.7x the instructions of 8 x 256 and spilled registers; 8 x
+# 16384, 47,000 spilled loads), and blocks wider than this take the XLA
+# path.
+_ELEMENTS = 2048
+_WIDEST = 4096
+
+
+def _tile(wide: int) -> int:
+  """Blocks per program for blocks padded to ``wide`` elements."""
+  return max(1, min(_TILE, _ELEMENTS // wide))
 
 
 def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
@@ -62,7 +73,7 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
             bits: int, powers: tuple[float, float], scale_dtype: Any,
             stochastic: bool, dims: tuple[int, int, int, int, int, int]
             ) -> None:
-  """One tile of ``_TILE`` blocks: decode, Adam in float32, encode."""
+  """One tile of blocks (:func:`_tile`): decode, Adam in float32, encode."""
   rows, n, r, c, col_blocks, block_len = dims
   # Scalars read one by one (Triton has no slice of a loaded vector).
   meta = [meta_ref[i] for i in range(8)]
@@ -145,9 +156,10 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   rows, r, c = layout(shape, bs)
   groups, col_blocks = grid(shape, bs)
   size, nb = r * c, groups * col_blocks
-  padded = -(-nb // _TILE) * _TILE
   # Triton's tiles are powers of two: a block of 40 is read as 64.
   wide = 1 << (size - 1).bit_length()
+  tile = _tile(wide)
+  padded = -(-nb // tile) * tile
 
   def flat_blocks(x: jax.Array) -> jax.Array:
     x = x.reshape(nb, -1)
@@ -167,8 +179,8 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   meta = jnp.stack([
       jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
       mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
-  tile_spec = pl.BlockSpec((_TILE, wide), lambda i: (i, 0))
-  one_spec = pl.BlockSpec((_TILE, 1), lambda i: (i, 0))
+  tile_spec = pl.BlockSpec((tile, wide), lambda i: (i, 0))
+  one_spec = pl.BlockSpec((tile, 1), lambda i: (i, 0))
   meta_spec = pl.BlockSpec((8,), lambda i: (0,))
   quad = [tile_spec, one_spec, one_spec, one_spec]
 
@@ -183,7 +195,7 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       scale_dtype=mu.scales.dtype, stochastic=stochastic,
       dims=(rows, shape[-1], r, c, col_blocks, size))
   out = pl.pallas_call(
-      kernel, grid=(padded // _TILE,),
+      kernel, grid=(padded // tile,),
       in_specs=[meta_spec, tile_spec, *quad, *quad],
       out_specs=[tile_spec, *quad, *quad],
       out_shape=[jax.ShapeDtypeStruct((padded, wide), F32),
@@ -242,8 +254,9 @@ def quantized_adam(
   block's outlier and scale taken from the new values, in one pass.
 
   ``kernel`` picks the path: ``"auto"`` (the kernel where the step is
-  lowered for a CUDA GPU, the XLA path of :func:`quantized_states`
-  elsewhere, a CPU computation on a GPU host included), ``"pallas"``,
+  lowered for a CUDA GPU and blocks have at most 4096 elements, the XLA
+  path of :func:`quantized_states` elsewhere, a CPU computation on a GPU
+  host included), ``"pallas"``,
   ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
   tests) or ``"xla"``. Both paths write the same codes, scales and
   outliers. The kernel hashes each element's index in the whole array for
@@ -272,7 +285,8 @@ def quantized_adam(
 
   Raises:
     TypeError: for a ``learning_rate`` that is not a number.
-    ValueError: for an unknown ``kernel``, and whatever
+    ValueError: for an unknown ``kernel``, ``kernel="pallas"`` with blocks
+      wider than 4096 elements, and whatever
       :func:`quantized_states` refuses.
 
   Example:
@@ -299,6 +313,13 @@ def quantized_adam(
                           rounding=rounding, seed=seed)
   declared = contract.contract_of(base)
   assert isinstance(declared, contract.Forwarding)
+  # Wider blocks would not fit one program's registers: the XLA path.
+  fits = 1 << (block_size - 1).bit_length() <= _WIDEST
+  if kernel == "pallas" and not fits:
+    raise ValueError(
+        f"quantized_adam: the kernel takes blocks of at most {_WIDEST}"
+        f" elements, got block_size={block_size}; use kernel='auto' (the"
+        " XLA path for such blocks) or a smaller block_size")
 
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
             **extra: Any) -> tuple[Any, QuantizedStatesState]:
@@ -353,7 +374,8 @@ def quantized_adam(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     # Adam's own update runs fused; another (a guard's rebinding) the XLA
     # path with it.
-    if inner_update is not adam.update or kernel == "xla":
+    if inner_update is not adam.update or kernel == "xla" or (
+        kernel == "auto" and not fits):
       return declared.rebind(inner_update)
     return auto if kernel == "auto" else fused
 
