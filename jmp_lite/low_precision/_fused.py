@@ -54,12 +54,12 @@ _KERNELS = ("auto", "pallas", "interpret", "xla")
 # multiprocessor (compiled for sm_90a off the GPU; speed unmeasured).
 _TILE = 8
 _WARPS = 8
-# Elements per program at most: wider blocks take fewer per program (8 x
-# 1024 took 3.7x the instructions of 8 x 256 and spilled registers; 8 x
-# 16384, 47,000 spilled loads), and blocks wider than this take the XLA
-# path.
-_ELEMENTS = 2048
-_WIDEST = 4096
+# Elements per program at most (ptxas for sm_90a, 8 warps): eight blocks of
+# 256 or 1024, or two of 4096, compile without spilling registers; eight of
+# 4096 spilled (1,927 local-memory loads in the code), eight of 16384
+# 47,133. Wider blocks than _WIDEST take the XLA path.
+_ELEMENTS = 8192
+_WIDEST = 8192
 
 
 def _tile(wide: int) -> int:
@@ -254,7 +254,7 @@ def quantized_adam(
   block's outlier and scale taken from the new values, in one pass.
 
   ``kernel`` picks the path: ``"auto"`` (the kernel where the step is
-  lowered for a CUDA GPU and blocks have at most 4096 elements, the XLA
+  lowered for a CUDA GPU and blocks have at most 8192 elements, the XLA
   path of :func:`quantized_states` elsewhere, a CPU computation on a GPU
   host included), ``"pallas"``,
   ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
@@ -286,7 +286,7 @@ def quantized_adam(
   Raises:
     TypeError: for a ``learning_rate`` that is not a number.
     ValueError: for an unknown ``kernel``, ``kernel="pallas"`` with blocks
-      wider than 4096 elements, and whatever
+      wider than 8192 elements, and whatever
       :func:`quantized_states` refuses.
 
   Example:
