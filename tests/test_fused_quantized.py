@@ -221,8 +221,11 @@ def test_kernel_lowers_for_a_gpu(bits, rounding, scale_dtype):
     exported = jax.export.export(
         jax.jit(opt.update), platforms=["cuda"], disabled_checks=[triton])(
             params, state, params)
-  # One kernel per quantized leaf (the scalar stays plain Adam).
+  # One kernel per quantized leaf (the scalar stays plain Adam), with the
+  # kernel's own launch settings (not Pallas' defaults) though this host
+  # is not a GPU.
   assert exported.mlir_module().count("xla.gpu.triton") == 3
+  assert exported.mlir_module().count("num_warps = 8 : i32") == 3
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),

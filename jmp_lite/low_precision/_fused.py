@@ -205,9 +205,11 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       # the state donated, no copy into the donated buffers after.
       input_output_aliases={i: i - 1 for i in range(2, 10)},
       interpret=interpret,
-      # Triton named on GPUs: JAX 0.10 would otherwise pick Mosaic GPU.
-      compiler_params=pltriton.CompilerParams(num_warps=_WARPS, num_stages=1)
-      if not interpret and jax.default_backend() == "gpu" else None,
+      # Triton named (JAX 0.10 would otherwise pick Mosaic GPU), whatever
+      # the host's default backend: a step exported for CUDA from a CPU
+      # host gets the same kernel.
+      compiler_params=None if interpret else pltriton.CompilerParams(
+          num_warps=_WARPS, num_stages=1),
   )(meta, flat_blocks(_blocks(g, bs)), *side(mu), *side(nu))
 
   def unflat(x: jax.Array) -> jax.Array:
