@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +91,44 @@ def test_wide_blocks_write_the_xla_paths_state():
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2.5e-7)
     else:
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "interpret"])
+def test_data_parallel_step_inside_shard_map(kernel):
+  # Replicated params and state, the gradient averaged over the mesh axis,
+  # under shard_map's default check_vma: the kernel's outputs must say how
+  # they vary ("auto" traces the kernel on every platform).
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+  params = _params()
+  state = opt.init(params)
+
+  def step(g, s, p):
+    return opt.update(jax.lax.pmean(g, "data"), s, p)
+
+  mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P()),
+                                 out_specs=(P(), P())))
+  got = mapped(_grads(0), state, params)
+  want = jax.jit(quantized_adam(1e-2, block_size=64, kernel="xla").update)(
+      _grads(0), state, params)
+  chex.assert_trees_all_close(got[1], want[1], rtol=0, atol=0)
+  chex.assert_trees_all_close(got[0], want[0], rtol=3e-7)
+
+
+def test_vmapped_over_states_writes_the_xla_paths_state():
+  # An ensemble: one optimizer state per member, stepped under vmap.
+  params = _params()
+  g = _grads(0)
+
+  def run(kernel: str) -> Any:
+    opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+    states = jax.vmap(lambda _: opt.init(params))(jnp.arange(3))
+    return jax.jit(jax.vmap(lambda s: opt.update(g, s, params)))(states)
+
+  (u_xla, s_xla), (u_kernel, s_kernel) = run("xla"), run("interpret")
+  chex.assert_trees_all_close(s_kernel, s_xla, rtol=0, atol=0)
+  chex.assert_trees_all_close(u_kernel, u_xla, rtol=3e-7)
 
 
 def test_blocks_padded_to_a_power_of_two_ignore_their_padding():

@@ -251,3 +251,27 @@ def test_varying_axes_reads_what_shard_map_tracks():
   assert seen == {"local": frozenset({"d"}), "agreed": frozenset()}
   assert _jaxpr.varying_axes(jnp.ones(2)) == frozenset()
   assert _jaxpr.varying_axes(3) == frozenset()
+
+
+def test_align_varying_gives_kernel_operands_one_type():
+  """A pallas_call under shard_map (check_vma) needs operands that vary
+  over the same axes and an out_shape that says so."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def local(x, w):
+    (x2, w2), kwargs = _jaxpr.align_varying([x, w])
+    seen["before"] = (_jaxpr.varying_axes(x), _jaxpr.varying_axes(w))
+    seen["after"] = (_jaxpr.varying_axes(x2), _jaxpr.varying_axes(w2))
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype, **kwargs)
+    seen["out"] = _jaxpr.varying_axes(out)
+    return x2 + w2.sum()
+
+  jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P()),
+                        out_specs=P("d")))(jnp.ones(4), jnp.ones(3))
+  d = frozenset({"d"})
+  assert seen == {"before": (d, frozenset()), "after": (d, d), "out": d}
+  xs, kwargs = _jaxpr.align_varying([jnp.ones(2)])
+  assert xs[0].shape == (2,)

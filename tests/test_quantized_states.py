@@ -543,6 +543,7 @@ def test_max_reduction_stats_survive_a_recomputed_moment():
   element equalled the top: the index ran past the block and the gathered
   outlier was NaN). The outlier must stay in the block and finite."""
   from jmp_lite.low_precision import _blockwise as bw
+  from jmp_lite.low_precision._block_stats import outlier_and_scale_max
   rng = np.random.default_rng(0)
   old = bw.quantize(jnp.asarray(rng.standard_normal((256, 512)) * 1e-3),
                     bits=8, block_size=256, signed=True, power=2.0)
@@ -552,7 +553,7 @@ def test_max_reduction_stats_survive_a_recomputed_moment():
   def encode(q, g):
     m = 0.9 * bw.dequantize(q) + 0.1 * g.astype(jnp.float32)
     return bw.encode_blocks(bw._blocks(m, 256), None, bits=8, signed=True,
-                            power=2.0, stats=bw.outlier_and_scale_max)
+                            power=2.0, stats=outlier_and_scale_max)
 
   _, scales, outliers, where = encode(old, grads)
   assert int(where.max()) < 256

@@ -25,7 +25,12 @@ Modules, one concept each:
   plug into.
 """
 
-from jmp_lite._jaxpr.args import is_tracer, split_array_args, varying_axes
+from jmp_lite._jaxpr.args import (
+  align_varying,
+  is_tracer,
+  split_array_args,
+  varying_axes,
+)
 from jmp_lite._jaxpr.depends import depends_on_inputs
 from jmp_lite._jaxpr.dots import (
     is_matmul,
@@ -72,7 +77,8 @@ from jmp_lite._jaxpr.walk import interpret, Site, walk
 
 __all__ = [
     "CASTABLE", "Literal", "MATMULS", "Operands", "Plan", "Rewriter", "Site",
-    "abstract_eval", "bind", "call", "consts_as_args", "convert",
+    "abstract_eval", "align_varying", "bind", "call", "consts_as_args",
+    "convert",
     "depends_on_inputs",
     "differentiable_call", "evaluate", "has_subjaxprs", "inline_jaxpr",
     "interpret", "is_jaxpr", "is_literal", "is_matmul", "is_tracer",

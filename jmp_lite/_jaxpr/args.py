@@ -113,3 +113,34 @@ def varying_axes(x: Any) -> frozenset[str]:
     if vma is None:
       vma = getattr(getattr(aval, field, None), "varying", None)
   return frozenset(vma or ())
+
+
+def align_varying(arrays: Sequence[jax.Array]
+                  ) -> tuple[list[jax.Array], dict[str, Any]]:
+  """``arrays`` made to vary over the union of their ``shard_map`` mesh
+  axes, and the keyword arguments a ``jax.ShapeDtypeStruct`` computed from
+  all of them needs: what a ``pallas_call`` requires of its operands and
+  ``out_shape`` under ``shard_map(..., check_vma=True)``. Outside
+  ``shard_map`` (or with ``check_vma=False``) the arrays come back as they
+  are.
+
+  Args:
+    arrays: the kernel's operands (at least one).
+
+  Returns:
+    The operands, each cast (``jax.lax.pcast``) to the axes it lacks, and
+    ``{"manual_axis_type": ...}`` (empty where JAX has no such field).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._jaxpr.args import align_varying
+    >>> xs, kw = align_varying([jnp.ones(2), jnp.zeros(3)])
+    >>> [x.shape for x in xs]
+    [(2,), (3,)]
+  """
+  axes = frozenset().union(*map(varying_axes, arrays))
+  out = [x if varying_axes(x) >= axes else jax.lax.pcast(
+      x, tuple(sorted(axes - varying_axes(x))), to="varying")
+         for x in arrays]
+  mat = getattr(jax.typeof(out[0]), "manual_axis_type", None)
+  return out, {} if mat is None else {"manual_axis_type": mat}

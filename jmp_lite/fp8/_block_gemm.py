@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jmp_lite._jaxpr import varying_axes
+from jmp_lite._jaxpr import align_varying
 from jmp_lite.fp8._matmul import descale
 
 __all__ = ["block_scaled_dot", "tile_sizes"]
@@ -134,13 +134,7 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
                 [(0, 0), (0, 0), (0, qp - q)], constant_values=1.0)
   # Under shard_map (check_vma) every operand and the output must carry the
   # mesh axes the product varies over.
-  axes = tuple(sorted(frozenset().union(
-      *map(varying_axes, (a, iat, bq, ibt)))))
-  if axes:
-    a, iat, bq, ibt = (
-        x if varying_axes(x) >= set(axes) else jax.lax.pcast(
-            x, tuple(sorted(set(axes) - varying_axes(x))), to="varying")
-        for x in (a, iat, bq, ibt))
+  (a, iat, bq, ibt), varying = align_varying([a, iat, bq, ibt])
   out = pl.pallas_call(
       functools.partial(_kernel, nb=nb, bs=bs, scaling=scaling),
       grid=(b, pp // bm, qp // bn),
@@ -151,8 +145,7 @@ def block_scaled_dot(qa: jax.Array, ia: jax.Array, qb: jax.Array,
           pl.BlockSpec((None, nb, bn), lambda i, j, k: (i, 0, k)),
       ],
       out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, k: (i, j, k)),
-      out_shape=jax.ShapeDtypeStruct(
-          (b, pp, qp), _F32, manual_axis_type=jax.typeof(a).manual_axis_type),
+      out_shape=jax.ShapeDtypeStruct((b, pp, qp), _F32, **varying),
       interpret=interpret,
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=num_warps, num_stages=num_stages),

@@ -27,6 +27,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jmp_lite import contract
 from jmp_lite._checks import check_own_state
+from jmp_lite._jaxpr import align_varying
+from jmp_lite.low_precision._block_stats import outlier_and_scale_max
 from jmp_lite.low_precision._blockwise import (
   _blocks,
   _unblock,
@@ -36,7 +38,6 @@ from jmp_lite.low_precision._blockwise import (
   form_of,
   grid,
   layout,
-  outlier_and_scale_max,
   QuantizedArray,
   where_dtype,
 )
@@ -185,11 +186,15 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   quad = [tile_spec, one_spec, one_spec, one_spec]
 
   def quad_shapes(q: QuantizedArray) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct((padded, wide), jnp.uint8),
-            jax.ShapeDtypeStruct((padded, 1), q.scales.dtype),
-            jax.ShapeDtypeStruct((padded, 1), F32),
-            jax.ShapeDtypeStruct((padded, 1), jnp.int32)]
+    return [jax.ShapeDtypeStruct((padded, wide), jnp.uint8, **varying),
+            jax.ShapeDtypeStruct((padded, 1), q.scales.dtype, **varying),
+            jax.ShapeDtypeStruct((padded, 1), F32, **varying),
+            jax.ShapeDtypeStruct((padded, 1), jnp.int32, **varying)]
 
+  # Under shard_map (check_vma) the operands and outputs carry the mesh
+  # axes any of them varies over (a replicated step: none).
+  operands, varying = align_varying(
+      [meta, flat_blocks(_blocks(g, bs)), *side(mu), *side(nu)])
   kernel = functools.partial(
       _kernel, adam=adam, bits=mu.bits, powers=(mu.power, nu.power),
       scale_dtype=mu.scales.dtype, stochastic=stochastic,
@@ -198,7 +203,7 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       kernel, grid=(padded // tile,),
       in_specs=[meta_spec, tile_spec, *quad, *quad],
       out_specs=[tile_spec, *quad, *quad],
-      out_shape=[jax.ShapeDtypeStruct((padded, wide), F32),
+      out_shape=[jax.ShapeDtypeStruct((padded, wide), F32, **varying),
                  *quad_shapes(mu), *quad_shapes(nu)],
       # The new codes, scales, outliers and indices overwrite the old ones
       # in place (each program reads its tile before it writes it): with
@@ -210,7 +215,7 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
       # host gets the same kernel.
       compiler_params=None if interpret else pltriton.CompilerParams(
           num_warps=_WARPS, num_stages=1),
-  )(meta, flat_blocks(_blocks(g, bs)), *side(mu), *side(nu))
+  )(*operands)
 
   def unflat(x: jax.Array) -> jax.Array:
     return x[:nb, :size].reshape(groups, col_blocks, -1)
