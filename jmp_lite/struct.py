@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, dataclass_transform, TypeVar
 
 import jax
+from flax import serialization as flax_serialization
 
 _T = TypeVar("_T", bound=type)
 
@@ -126,6 +127,28 @@ def dataclass(cls: _T) -> _T:
   jax.tree_util.register_pytree_with_keys(
       cls, flatten_with_keys, unflatten, flatten
   )
+
+  # Flax checkpoints (``flax.serialization.to_bytes``, ``to_state_dict``)
+  # walk their own registry, not JAX's: the fields that are leaves, by
+  # name; static fields come from the target on restore.
+  def to_state_dict(obj: Any) -> dict[str, Any]:
+    return {n: flax_serialization.to_state_dict(getattr(obj, n))
+            for n in data_names}
+
+  def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+    missing = [n for n in data_names if n not in state]
+    if missing:
+      raise ValueError(
+          f"{cls.__name__}: the restored state has no {missing} (it has"
+          f" {sorted(state)}); it was saved from another class or version")
+    return unflatten(
+        tuple(getattr(target, n) for n in meta_names),
+        tuple(flax_serialization.from_state_dict(getattr(target, n),
+                                                 state[n], name=n)
+              for n in data_names))
+
+  flax_serialization.register_serialization_state(
+      cls, to_state_dict, from_state_dict, override=True)
   return cls
 
 

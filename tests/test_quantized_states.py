@@ -630,3 +630,25 @@ def test_sharded_codes_equal_the_unsharded_run():
       "ok jit with sharded params 4 bits equals unsharded",
       "ok shard_map 8 bits without specs differs",
   ], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nnx_params_store_second_moments_unsigned(fused):
+  # nnx hands the optimizer its params inside Variables: every state leaf's
+  # key path then ends in the Variable's ``value``, and nu must still be
+  # found by its field (the signed map decoded 109 of 256 positive nu as 0).
+  from flax import nnx
+
+  from jmp_lite.low_precision import quantized_adam
+  params = nnx.state(nnx.Linear(1, 256, rngs=nnx.Rngs(0)), nnx.Param)
+  grads = jax.tree.map(
+      lambda x: jnp.broadcast_to(jnp.logspace(-4, 0, 256), x.shape), params)
+  opt = (quantized_adam(1e-3) if fused
+         else jmp_lite.quantized_states(optax.adam(1e-3)))
+  _, state = jax.jit(lambda s: jmp_lite.update_and_apply(
+      opt, grads, s, params))(opt.init(params))
+  nu = state.inner_state[0].nu["kernel"].get_value()
+  mu = state.inner_state[0].mu["kernel"].get_value()
+  assert not nu.signed and mu.signed
+  assert bool((dequantize(nu) > 0).all())
+

@@ -417,3 +417,36 @@ def test_axis_name_must_name_an_axis(bad):
     with pytest.raises(TypeError, match="axis_name must be None, a str or a"
                        " tuple of str"):
       build()
+
+
+@pytest.mark.parametrize("name", ["master+loss_scaled", "O3", "O3 8-bit"])
+def test_flax_serialization_round_trips_every_state(name):
+  # Flax users checkpoint with flax.serialization (to_bytes / from_bytes),
+  # which walks its own registry, not JAX's: every jmp_lite state must be in
+  # it, static configuration restored from the target.
+  from flax import serialization
+
+  import jmp_lite.presets
+  params = {"w": jnp.full((8, 256), 0.5, jnp.bfloat16),
+            "b": jnp.zeros((3,), jnp.bfloat16)}
+  opt = {
+      "master+loss_scaled": lambda: jmp_lite.master_weights(
+          jmp_lite.loss_scaled(optax.adam(1e-3),
+                               jmp_lite.DynamicLossScale(2.0**15))),
+      "O3": lambda: jmp_lite.presets.preset("O3", half="bf16").optimizer(
+          optax.adam(1e-3)),
+      "O3 8-bit": lambda: jmp_lite.presets.preset(
+          "O3", half="bf16", state_bits=8,
+          compensation="stochastic").optimizer(optax.adam(1e-3)),
+  }[name]()
+  grads = jax.tree.map(lambda p: p * 0.1, params)
+  _, state = jax.jit(lambda s: jmp_lite.update_and_apply(
+      opt, grads, s, params))(opt.init(params))
+  restored = serialization.from_bytes(opt.init(params),
+                                      serialization.to_bytes(state))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  chex.assert_trees_all_equal(restored, state)
+  with pytest.raises(ValueError, match="saved from another class"):
+    serialization.from_state_dict(
+        opt.init(params), jax.tree.map(lambda x: x, {"unrelated": 1}))
+

@@ -108,6 +108,12 @@ def _is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedArray)
 
 
+def _is_variable(node: Any) -> bool:
+  """A Flax nnx ``Variable`` (duck-typed: no Flax import)."""
+  return not isinstance(node, tuple) and callable(
+      getattr(node, "get_value", None)) and hasattr(node, "set_value")
+
+
 def _field_of(tree: Any, path: Sequence[Any]) -> tuple[str, str] | None:
   """(class name, field) of the innermost attribute on ``path`` (the
   NamedTuple field holding the leaf: Adam's ``nu``; Adafactor's ``v``, whose
@@ -116,6 +122,11 @@ def _field_of(tree: Any, path: Sequence[Any]) -> tuple[str, str] | None:
   for k in path:
     try:
       if isinstance(k, jax.tree_util.GetAttrKey):
+        # Not a Flax nnx Variable's ``value``: with nnx params every state
+        # leaf sits in one, and ``nu`` is the field above it.
+        if _is_variable(node):
+          node = node.get_value()  # Its ``.value`` is deprecated.
+          continue
         found = (type(node).__name__, k.name)
         node = getattr(node, k.name)
       elif isinstance(k, jax.tree_util.DictKey):
