@@ -109,6 +109,16 @@ bfloat16 for float16 params too: float16 cannot hold Adam's second moment.
 """
 
 _LEVELS = ("O0", "O1", "O2", "O3")
+_CODES_SEED = 0x5EED_C0DE
+
+
+def _codes_seed(seed: Any) -> Any:
+  """The quantized states' seed, apart from the params' ``seed`` (a bad
+  ``seed`` is passed on for ``quantized_states`` to refuse by name)."""
+  if isinstance(seed, (int, np.integer)) and not isinstance(
+      seed, (bool, np.bool_)) and 0 <= int(seed) < 2**32:
+    return int(seed) ^ _CODES_SEED
+  return seed
 _COMPENSATIONS = ("kahan", "stochastic", None)
 
 
@@ -230,8 +240,10 @@ class Preset:
     parameter with Adam (2 param, 2 compensation, 2 + 2 moments).
     ``compensation="stochastic"`` puts ``stochastic_rounding(..., seed=seed)``
     in place of Kahan: 6 bytes per parameter. ``state_bits=8`` (or 4) puts
-    ``quantized_states(..., bits=state_bits)`` in place of ``state_dtypes``:
-    with stochastic rounding about 4 (or 3) bytes per parameter, params and
+    ``quantized_states(..., bits=state_bits, specs=specs)`` in place of
+    ``state_dtypes`` (its stochastic codes seeded from ``seed``, apart from
+    the params' bits): with stochastic rounding about 4 (or 3) bytes per
+    parameter, params and
     state together (``preset`` picks it, with a warning, unless you pass a
     compensation). ``compensation=None`` is the
     old pure half recipe, ``loss_scaled(inner, allow_half_state=True)`` with
@@ -242,35 +254,50 @@ class Preset:
     Under ``shard_map`` (per-device gradients), pass ``axis_name`` as to
     :func:`~jmp_lite.loss_scaled`, so that every device takes the same skip
     and scale decision, and with stochastic rounding of sharded params
-    ``specs`` as to :func:`~jmp_lite.stochastic_rounding`, so that shards
-    draw their own random bits.
+    ``specs`` as to :func:`~jmp_lite.stochastic_rounding` (and to the
+    quantized states of ``state_bits``), so that shards draw their own
+    random bits.
 
     Args:
       inner: the optimizer.
-      seed: the stochastic rounding seed (``compensation="stochastic"``).
+      seed: the random bits' seed (``compensation="stochastic"`` or
+        ``state_bits``); refused where nothing is random.
       axis_name: the mapped axis (or axes) the loss scale agrees over;
         ``None`` outside ``shard_map``/``pmap``.
-      specs: ``compensation="stochastic"`` only: the params'
-        ``PartitionSpec`` tree inside ``shard_map``.
+      specs: ``compensation="stochastic"`` or ``state_bits`` only: the
+        params' ``PartitionSpec`` tree inside ``shard_map``.
 
     Returns:
       The wrapped optimizer.
 
     Raises:
-      ValueError: ``specs`` with a preset that rounds nothing at random.
+      ValueError: ``specs`` or a ``seed`` with a preset that draws no
+        random bits.
     """
-    stochastic = self.name == "O3" and self.compensation == "stochastic"
-    if specs is not None and not stochastic:
+    o3 = self.name == "O3" and self.compensation is not None
+    # Random bits: stochastic rounding of the params, and the stochastic
+    # codes of quantized states (with either compensation).
+    random = o3 and (self.compensation == "stochastic"
+                     or self.state_bits is not None)
+    if specs is not None and not random:
       raise ValueError(
           "specs= is for stochastic rounding (preset('O3', ...,"
-          f" compensation='stochastic')); preset {self.name} with"
+          " compensation='stochastic') or state_bits=...); preset"
+          f" {self.name} with compensation={self.compensation!r} draws no"
+          " random bits")
+    if seed != 0 and not random:
+      raise ValueError(
+          f"seed={seed!r} would be ignored: preset {self.name} with"
           f" compensation={self.compensation!r} draws no random bits")
     scaled = loss_scaled(inner, self.loss_scale(), axis_name=axis_name,
                          allow_half_state=self.name == "O3"
                          and self.compensation is None)
-    if self.name == "O3" and self.compensation is not None:
+    if o3:
+      # The codes' stream is seeded apart from the params' (the same seed
+      # would give a param and its first moment the same bits each step).
       stored = (state_dtypes(scaled, O3_STATE_DTYPE) if self.state_bits is None
-                else quantized_states(scaled, bits=self.state_bits))
+                else quantized_states(scaled, bits=self.state_bits,
+                                      seed=_codes_seed(seed), specs=specs))
       if self.compensation == "kahan":
         return kahan_summation(stored)
       return stochastic_rounding(stored, seed=seed, specs=specs)

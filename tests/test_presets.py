@@ -124,10 +124,20 @@ def test_preset_optimizers_agree_over_axis_name(level, compensation):
       [halved, halved])
 
 
-def test_preset_specs_only_with_stochastic_rounding():
+def test_preset_specs_and_seed_only_where_bits_are_random():
   spec = {"w": jax.sharding.PartitionSpec()}
   with pytest.raises(ValueError, match="specs= is for stochastic rounding"):
     preset("O3", half="bf16").optimizer(optax.adam(1e-3), specs=spec)
+  with pytest.raises(ValueError, match="seed=3 would be ignored"):
+    preset("O3", half="bf16").optimizer(optax.adam(1e-3), seed=3)
+  # Kahan over 8-bit states: the codes are stochastic, so specs and the
+  # seed reach quantized_states (seeded apart from the params' bits).
+  opt = preset("O3", half="bf16", state_bits=8, compensation="kahan"
+               ).optimizer(optax.adam(1e-3), seed=3, specs=spec)
+  state = opt.init({"w": jnp.ones((2, 256), jnp.bfloat16)})
+  codes = state.inner_state
+  assert isinstance(codes, low_precision.QuantizedStatesState)
+  assert codes.config.seed not in (0, 3)
   with pytest.raises(ValueError, match="preset O2"):
     preset("O2", half="bf16").optimizer(optax.adam(1e-3), specs=spec)
   opt = preset("O3", half="bf16", compensation="stochastic").optimizer(

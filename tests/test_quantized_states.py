@@ -629,6 +629,7 @@ def test_sharded_codes_equal_the_unsharded_run():
       "ok shard_map 4 bits equals unsharded",
       "ok jit with sharded params 4 bits equals unsharded",
       "ok shard_map 8 bits without specs differs",
+      "ok preset O3 8 bits with specs equals unsharded",
   ], proc.stdout + proc.stderr
 
 

@@ -154,6 +154,36 @@ def check_jit_sharded(bits, reference):
   print(f"ok jit with sharded params {bits} bits equals unsharded")
 
 
+def check_preset(bits):
+  # preset("O3", state_bits=...) passes specs (and a seed of its own) to
+  # its quantized states: it drew shard 0's bits on every shard.
+  import jmp_lite.presets
+  pre = jmp_lite.presets.preset("O3", half="bf16", state_bits=bits,
+                                compensation="stochastic")
+
+  def run(specs):
+    opt = pre.optimizer(optax.adam(1e-3), seed=7, specs=specs,
+                        axis_name=None if specs is None else "data")
+    step = step_fn(opt)
+    params = init_params()
+    state = opt.init(params)
+    if specs is None:
+      step = jax.jit(step)
+    else:
+      st = state_specs(state)
+      step = jax.jit(jax.shard_map(
+          step, mesh=mesh(), in_specs=(specs, st, specs),
+          out_specs=(specs, st)))
+    for i in range(STEPS):
+      params, state = step(params, state, grads_at(i))
+    return params, state
+
+  # Leaves: the guard's static axis_name differs between the two.
+  chex.assert_trees_all_equal(jax.tree.leaves(run(param_specs())),
+                              jax.tree.leaves(run(None)))
+  print(f"ok preset O3 {bits} bits with specs equals unsharded")
+
+
 def main():
   assert jax.device_count() == 4, jax.devices()
   references = {bits: unsharded_run(bits) for bits in (8, 4)}
@@ -161,6 +191,7 @@ def main():
     check_shard_map(bits, references[bits])
     check_jit_sharded(bits, references[bits])
   check_shard_map_without_specs_differs(8, references[8])
+  check_preset(8)
 
 
 if __name__ == "__main__":
