@@ -633,23 +633,53 @@ def test_sharded_codes_equal_the_unsharded_run():
   ], proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_nnx_params_store_second_moments_unsigned(fused):
-  # nnx hands the optimizer its params inside Variables: every state leaf's
-  # key path then ends in the Variable's ``value``, and nu must still be
-  # found by its field (the signed map decoded 109 of 256 positive nu as 0).
+@pytest.mark.parametrize("kernel", [None, "xla", "interpret"])
+def test_nnx_params_store_second_moments_unsigned(kernel):
+  # nnx hands the optimizer its params inside Variables: nu must still be
+  # found by its field (the signed map decoded 109 of 256 positive nu as 0),
+  # and the updates come back in the gradients' structure.
   from flax import nnx
 
   from jmp_lite.low_precision import quantized_adam
   params = nnx.state(nnx.Linear(1, 256, rngs=nnx.Rngs(0)), nnx.Param)
   grads = jax.tree.map(
       lambda x: jnp.broadcast_to(jnp.logspace(-4, 0, 256), x.shape), params)
-  opt = (quantized_adam(1e-3) if fused
-         else jmp_lite.quantized_states(optax.adam(1e-3)))
-  _, state = jax.jit(lambda s: jmp_lite.update_and_apply(
+  opt = (jmp_lite.quantized_states(optax.adam(1e-3)) if kernel is None
+         else quantized_adam(1e-3, kernel=kernel))
+  new_params, state = jax.jit(lambda s: jmp_lite.update_and_apply(
       opt, grads, s, params))(opt.init(params))
-  nu = state.inner_state[0].nu["kernel"].get_value()
-  mu = state.inner_state[0].mu["kernel"].get_value()
-  assert not nu.signed and mu.signed
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
+  nu = state.inner_state[0].nu["kernel"]
+  assert isinstance(nu, QuantizedArray)
+  assert not nu.signed and state.inner_state[0].mu["kernel"].signed
   assert bool((dequantize(nu) > 0).all())
 
+
+@pytest.mark.parametrize("make", ["quantized_states", "quantized_adam"])
+def test_nnx_optimizer_steps_under_nnx_jit(make):
+  # nnx.Optimizer writes the new state back with nnx.update: a
+  # QuantizedArray held in a Variable came back as a State of its fields
+  # on the second step, which the next update refused.
+  from flax import nnx
+
+  from jmp_lite.low_precision import quantized_adam
+  model = nnx.Linear(4, 300, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  inner = (jmp_lite.quantized_states(optax.adam(1e-2))
+           if make == "quantized_states" else quantized_adam(1e-2))
+  opt = nnx.Optimizer(model, jmp_lite.stochastic_rounding(inner),
+                      wrt=nnx.Param)
+  x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(
+        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  losses = [float(step(model, opt)) for _ in range(4)]
+  assert losses[-1] < losses[0]
+  assert model.kernel[...].dtype == jnp.bfloat16
+  mu = opt.opt_state.inner_state.inner_state[0].mu["kernel"]
+  assert isinstance(mu, QuantizedArray) and mu.bits == 8
+  assert mu.codes[...].dtype == jnp.uint8

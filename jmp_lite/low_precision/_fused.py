@@ -45,6 +45,8 @@ from jmp_lite.low_precision._common import check_made_by, F32
 from jmp_lite.low_precision._quantized import (
   quantized_states,
   QuantizedStatesState,
+  rewrap_like,
+  unwrap_variables,
 )
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
 
@@ -330,6 +332,8 @@ def quantized_adam(
 
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
             **extra: Any) -> tuple[Any, QuantizedStatesState]:
+    given = updates
+    updates = unwrap_variables(updates)  # As quantized_states reads them.
     check_own_state(state, QuantizedStatesState, "quantized_adam")
     # The configuration base's states record (no params needed for it).
     check_made_by(state.config, jax.eval_shape(base.init, {}).config,
@@ -363,7 +367,7 @@ def quantized_adam(
     new_adam = optax.ScaleByAdamState(
         count=count, mu=treedef.unflatten(out_mu),
         nu=treedef.unflatten(out_nu))
-    return treedef.unflatten(out_u), QuantizedStatesState(
+    return rewrap_like(given, treedef.unflatten(out_u)), QuantizedStatesState(
         seed=state.seed, count=state.count + jnp.uint32(1),
         inner_state=(new_adam, rest), config=state.config)
 

@@ -114,6 +114,28 @@ def _is_variable(node: Any) -> bool:
       getattr(node, "get_value", None)) and hasattr(node, "set_value")
 
 
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with each Flax nnx ``Variable`` replaced by its value.
+
+  The state is built from (and read with) plain arrays: a
+  :class:`QuantizedArray` inside a Variable did not survive
+  ``nnx.Optimizer``, whose ``nnx.update`` put a ``State`` of its fields in
+  the Variable's place on the second step.
+  """
+  return jax.tree.map(lambda x: x.get_value() if _is_variable(x) else x,
+                      tree, is_leaf=_is_variable)
+
+
+def rewrap_like(given: Any, computed: Any) -> Any:
+  """``computed`` (plain arrays) in the structure of ``given`` (Variables
+  included), leaf for leaf: updates shaped like the gradients passed in."""
+  if not any(_is_variable(x) for x in jax.tree.leaves(
+      given, is_leaf=_is_variable)):
+    return computed
+  return jax.tree.unflatten(jax.tree.structure(given),
+                            jax.tree.leaves(computed))
+
+
 def _field_of(tree: Any, path: Sequence[Any]) -> tuple[str, str] | None:
   """(class name, field) of the innermost attribute on ``path`` (the
   NamedTuple field holding the leaf: Adam's ``nu``; Adafactor's ``v``, whose
@@ -396,6 +418,7 @@ def quantized_states(
           f" inner optimizer's state; its fields are {sorted(fields)}")
 
   def init(params: Any) -> QuantizedStatesState:
+    params = unwrap_variables(params)
     wide_params = upcast(params)
     inner_state = unaliased(inner.init(wide_params), params, wide_params)
     refuse_inside(
@@ -446,6 +469,8 @@ def quantized_states(
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     def update(updates: Any, state: QuantizedStatesState, params: Any = None,
                **extra: Any) -> tuple[Any, QuantizedStatesState]:
+      given = updates
+      updates, params = unwrap_variables((updates, params))
       check_own_state(state, QuantizedStatesState, "quantized_states")
       check_made_by(state.config, config, "quantized_states")
       # Without params, the gradients have their structure.
@@ -487,7 +512,7 @@ def quantized_states(
         return jax.tree.map(lambda a, b: jnp.where(applied, a, b), fresh, old)
 
       new_leaves = treedef.flatten_up_to(new_inner)
-      return new_updates, QuantizedStatesState(
+      return rewrap_like(given, new_updates), QuantizedStatesState(
           seed=state.seed,
           count=state.count + applied.astype(jnp.uint32),
           inner_state=treedef.unflatten(
