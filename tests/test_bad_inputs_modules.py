@@ -77,7 +77,10 @@ BAD: dict[str, list[tuple[Callable[[], Any], type | tuple[type, ...], str]]] = {
         (lambda: fp8.CurrentScaling(margin=-1), ValueError, "margin"),
     ],
     "jmp_lite.fp8.DelayedScaling": [
-        (lambda: fp8.DelayedScaling(history=0), ValueError, "history"),
+        (lambda: fp8.DelayedScaling(history=0), ValueError,
+         "history must be >= 1, got 0"),
+        (lambda: fp8.DelayedScaling(history=-3), ValueError,
+         "history must be >= 1, got -3"),
         (lambda: fp8.DelayedScaling(amax_compute="mean"), ValueError,
          "amax_compute"),
     ],

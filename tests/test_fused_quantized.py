@@ -220,6 +220,11 @@ def test_state_moves_to_and_from_quantized_states():
     (dict(learning_rate=optax.constant_schedule(1e-3)), TypeError,
      "learning_rate must be a float"),
     (dict(bits=3), ValueError, "bits must be 8 or 4"),
+    (dict(b2="x"), TypeError, "b2 must be a float, got str"),
+    (dict(learning_rate=float("nan")), ValueError,
+     "learning_rate must be finite and >= 0.0, got nan"),
+    (dict(b1=1.5), ValueError, r"b1 must be finite and in \[0.0, 1.0\)"),
+    (dict(eps=-1.0), ValueError, "eps must be finite and >= 0.0"),
     (dict(kernel="pallas", block_size=16384), ValueError,
      "blocks of at most 8192 elements, got block_size=16384"),
 ])

@@ -296,6 +296,28 @@ def test_bad_input_names_the_value(kwargs, error, match):
     jmp_lite.quantized_states(optax.adam(1e-3), **kwargs)
 
 
+@pytest.mark.parametrize("grads,match", [
+    ({"w": jnp.ones((4, 9))}, r"gradient at \['w'\] has shape \(4, 9\),"
+     r" its param \(4, 8\)"),
+    ({"v": jnp.ones((4, 8))}, "the gradients' structure is not the params'")])
+def test_gradients_that_do_not_fit_the_params_are_named(grads, match):
+  params = {"w": jnp.ones((4, 8))}
+  opt = jmp_lite.quantized_states(optax.adam(1e-3))
+  with pytest.raises(ValueError, match=match):
+    opt.update(grads, opt.init(params), params)
+
+
+def test_specs_outside_shard_map_say_so():
+  # An evaluation step under plain jit with the training optimizer.
+  specs = {"w": jax.sharding.PartitionSpec("data")}
+  params = {"w": jnp.ones((8, 256), jnp.bfloat16)}
+  opt = jmp_lite.stochastic_rounding(
+      jmp_lite.quantized_states(optax.adam(1e-3), specs=specs), specs=specs)
+  with pytest.raises(ValueError, match="names the mesh axis 'data', which"
+                     " is not bound here"):
+    jax.jit(opt.update)(params, opt.init(params), params)
+
+
 def test_a_non_transformation_inner_is_refused():
   with pytest.raises(TypeError, match="quantized_states expects an optax.*"
                      "'adam'"):

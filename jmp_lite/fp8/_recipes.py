@@ -290,9 +290,10 @@ class DelayedScaling:
   bwd_dtype: Any = jnp.float8_e5m2
 
   def __post_init__(self) -> None:
+    if isinstance(self.history, numbers.Integral) and not isinstance(
+        self.history, bool) and self.history < 1:
+      raise ValueError(f"history must be >= 1, got {self.history}")
     length = _non_negative_int(self.history, "history")
-    if length < 1:
-      raise ValueError(f"history must be >= 1, got {length}")
     object.__setattr__(self, "history", length)
     if not isinstance(self.amax_compute, str) or (
         self.amax_compute not in AMAX_COMPUTE):

@@ -131,3 +131,23 @@ def refuse_inside(inner_state: Any, who: str, kinds: tuple[type, ...],
   if found:
     name = type(found[0]).__name__
     raise ValueError(f"{who}: the optimizer inside holds a {name}; {why}")
+
+
+def check_updates_fit(updates: Any, params: Any, who: str) -> None:
+  """A ``ValueError`` naming the first gradient whose structure or shape is
+  not its param's (instead of an error from deep inside the update)."""
+  if params is None:
+    return
+  g_flat, g_def = jax.tree_util.tree_flatten_with_path(updates)
+  p_leaves, p_def = jax.tree.flatten(params)
+  if g_def != p_def:
+    raise ValueError(
+        f"{who}: the gradients' structure is not the params' ({g_def} against"
+        f" {p_def})")
+  for (path, g), p in zip(g_flat, p_leaves, strict=True):
+    if getattr(g, "shape", None) != getattr(p, "shape", None):
+      raise ValueError(
+          f"{who}: the gradient at {jax.tree_util.keystr(path)} has shape"
+          f" {getattr(g, 'shape', None)}, its param"
+          f" {getattr(p, 'shape', None)}")
+

@@ -41,7 +41,11 @@ from jmp_lite.low_precision._blockwise import (
   QuantizedArray,
   where_dtype,
 )
-from jmp_lite.low_precision._common import check_made_by, F32
+from jmp_lite.low_precision._common import (
+  check_made_by,
+  check_updates_fit,
+  F32,
+)
 from jmp_lite.low_precision._quantized import (
   quantized_states,
   QuantizedStatesState,
@@ -317,6 +321,18 @@ def quantized_adam(
   if kernel not in _KERNELS:
     raise ValueError(
         f"quantized_adam: kernel must be one of {_KERNELS}, got {kernel!r}")
+  for name, value, low, high in (("learning_rate", learning_rate, 0.0, None),
+                                 ("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0),
+                                 ("eps", eps, 0.0, None)):
+    if isinstance(value, bool) or not isinstance(
+        value, (int, float, np.floating, np.integer)):
+      raise TypeError(f"quantized_adam: {name} must be a float, got"
+                      f" {type(value).__name__}: {value!r}")
+    if not (np.isfinite(value) and value >= low
+            and (high is None or value < high)):
+      span = f"in [{low}, {high})" if high is not None else f">= {low}"
+      raise ValueError(
+          f"quantized_adam: {name} must be finite and {span}, got {value!r}")
   adam = optax.adam(float(learning_rate), b1, b2, eps)
   base = quantized_states(adam, bits, block_size, scale_dtype=scale_dtype,
                           rounding=rounding, seed=seed)
@@ -333,8 +349,10 @@ def quantized_adam(
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
             **extra: Any) -> tuple[Any, QuantizedStatesState]:
     given = updates
-    updates = unwrap_variables(updates)  # As quantized_states reads them.
+    # As quantized_states reads them.
+    updates, params = unwrap_variables((updates, params))
     check_own_state(state, QuantizedStatesState, "quantized_adam")
+    check_updates_fit(updates, params, "quantized_adam(...).update")
     # The configuration base's states record (no params needed for it).
     check_made_by(state.config, jax.eval_shape(base.init, {}).config,
                   "quantized_adam")

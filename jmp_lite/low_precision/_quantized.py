@@ -32,6 +32,7 @@ from jmp_lite.low_precision._blockwise import (
 from jmp_lite.low_precision._common import (
   check_inner_structure,
   check_made_by,
+  check_updates_fit,
   F32,
   forwarding,
   refuse_inside,
@@ -472,6 +473,7 @@ def quantized_states(
       given = updates
       updates, params = unwrap_variables((updates, params))
       check_own_state(state, QuantizedStatesState, "quantized_states")
+      check_updates_fit(updates, params, "quantized_states(...).update")
       check_made_by(state.config, config, "quantized_states")
       # Without params, the gradients have their structure.
       check_inner_structure(

@@ -71,7 +71,15 @@ def _global_index(shape: tuple[int, ...], spec: Any) -> jax.Array:
     names = entries[d] if d < len(entries) else None
     parts = 1
     if names is not None:
-      parts = int(jax.lax.axis_size(names))
+      try:
+        parts = int(jax.lax.axis_size(names))
+      except NameError as e:
+        raise ValueError(
+            f"specs= names the mesh axis {names!r}, which is not bound here:"
+            " specs= is for steps under jax.shard_map (inside it, each shard"
+            " draws its own bits). Outside shard_map (an evaluation step"
+            " under jit, say), step with the same optimizer built without"
+            " specs=: its state is the same") from e
       offset = jax.lax.axis_index(names).astype(jnp.uint32)
       coord = coord + offset * np.uint32(shape[d] % 2**32)
     index = index + coord * np.uint32(stride % 2**32)
