@@ -37,8 +37,14 @@ from typing import Any
 import flax.linen as nn
 from flax.linen import module as _flax_module
 
+from jmp_lite import struct
+
 __all__ = ["attributes", "fields_overridden", "instance_with",
            "interceptors_active", "set_child", "wrap_method"]
+
+# Flax is here now: its checkpoints can take the jmp_lite states made so
+# far (later ones register themselves).
+struct.register_flax_serialization()
 
 # ------------------------------------------------------------------ linen
 

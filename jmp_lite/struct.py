@@ -14,10 +14,10 @@ reaches.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, dataclass_transform, TypeVar
 
 import jax
-from flax import serialization as flax_serialization
 
 _T = TypeVar("_T", bound=type)
 
@@ -72,6 +72,39 @@ def field(
   return dataclasses.field(
       default=default, default_factory=default_factory, init=init, repr=repr,
       hash=hash, compare=compare, metadata=metadata, kw_only=kw_only)
+
+
+# Every class :func:`dataclass` made, with its Flax serializers: the
+# registry Flax's own is filled from, once Flax is imported (jmp_lite's core
+# and optax layers do not import Flax). Appended to at class creation only,
+# like JAX's pytree registry.
+_FLAX_SERIALIZERS: list[tuple[type, Any, Any]] = []
+
+
+def register_flax_serialization() -> None:
+  """Puts every :func:`dataclass` class in Flax's serialization registry,
+  so ``flax.serialization.to_bytes`` / ``from_bytes`` save and restore
+  jmp_lite states.
+
+  Done for you when Flax was imported before jmp_lite, and when
+  ``jmp_lite.linen``, ``jmp_lite.nnx`` or ``jmp_lite.presets`` is imported;
+  call it yourself when you import Flax after jmp_lite's optax layers only.
+  Idempotent.
+
+  Example:
+    >>> import flax.serialization, optax, jmp_lite
+    >>> jmp_lite.struct.register_flax_serialization()
+    >>> opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.NoOpLossScale())
+    >>> state = opt.init({"w": 1.0})
+    >>> back = flax.serialization.from_bytes(
+    ...     state, flax.serialization.to_bytes(state))
+    >>> type(back).__name__
+    'LossScaledState'
+  """
+  from flax import serialization
+  for cls, to_state_dict, from_state_dict in _FLAX_SERIALIZERS:
+    serialization.register_serialization_state(
+        cls, to_state_dict, from_state_dict, override=True)
 
 
 # Tells type checkers (PEP 681) that decorated classes are frozen dataclasses
@@ -132,10 +165,12 @@ def dataclass(cls: _T) -> _T:
   # walk their own registry, not JAX's: the fields that are leaves, by
   # name; static fields come from the target on restore.
   def to_state_dict(obj: Any) -> dict[str, Any]:
-    return {n: flax_serialization.to_state_dict(getattr(obj, n))
+    from flax import serialization
+    return {n: serialization.to_state_dict(getattr(obj, n))
             for n in data_names}
 
   def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+    from flax import serialization
     missing = [n for n in data_names if n not in state]
     if missing:
       raise ValueError(
@@ -143,12 +178,13 @@ def dataclass(cls: _T) -> _T:
           f" {sorted(state)}); it was saved from another class or version")
     return unflatten(
         tuple(getattr(target, n) for n in meta_names),
-        tuple(flax_serialization.from_state_dict(getattr(target, n),
-                                                 state[n], name=n)
+        tuple(serialization.from_state_dict(getattr(target, n), state[n],
+                                            name=n)
               for n in data_names))
 
-  flax_serialization.register_serialization_state(
-      cls, to_state_dict, from_state_dict, override=True)
+  _FLAX_SERIALIZERS.append((cls, to_state_dict, from_state_dict))
+  if "flax.serialization" in sys.modules:
+    register_flax_serialization()
   return cls
 
 
@@ -212,4 +248,5 @@ def find_nodes(tree: Any, kind: type | tuple[type, ...]) -> list[Any]:
       tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(node, kind)]
 
 
-__all__ = ["dataclass", "field", "find_nodes", "replace"]
+__all__ = ["dataclass", "field", "find_nodes", "register_flax_serialization",
+           "replace"]

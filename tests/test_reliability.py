@@ -450,3 +450,27 @@ def test_flax_serialization_round_trips_every_state(name):
     serialization.from_state_dict(
         opt.init(params), jax.tree.map(lambda x: x, {"unrelated": 1}))
 
+
+@pytest.mark.parametrize("how", ["register", "import jmp_lite.nnx"])
+def test_flax_serialization_when_flax_comes_after_jmp_lite(how):
+  # jmp_lite's core imports no Flax, so its states join Flax's registry when
+  # Flax arrives through jmp_lite's Flax layers, or when asked to.
+  import subprocess
+  import sys
+  step = ("jmp_lite.struct.register_flax_serialization()"
+          if how == "register" else "import jmp_lite.nnx")
+  code = f"""
+import sys, optax, jmp_lite
+assert "flax" not in sys.modules
+import flax.serialization as S
+{step}
+opt = jmp_lite.loss_scaled(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0))
+state = opt.init({{"w": 1.0}})
+back = S.from_bytes(state, S.to_bytes(state))
+assert type(back) is type(state), type(back)
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=300)
+  assert out.stdout.strip() == "ok", out.stdout + out.stderr
+

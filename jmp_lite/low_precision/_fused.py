@@ -46,11 +46,10 @@ from jmp_lite.low_precision._common import (
   check_updates_fit,
   F32,
 )
+from jmp_lite.low_precision._leaves import rewrap_like, unwrap_variables
 from jmp_lite.low_precision._quantized import (
   quantized_states,
   QuantizedStatesState,
-  rewrap_like,
-  unwrap_variables,
 )
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
 
