@@ -305,8 +305,10 @@ class Recorder:
       computed_names = ",".join(sorted(computed)) or "-"
       expected = {np.dtype(m.policy.compute_dtype).name}
       if m.fp8 is not None:
-        expected |= {np.dtype(m.fp8.fwd_dtype).name,
-                     np.dtype(m.fp8.bwd_dtype).name}
+        # FP4 recipes have one format (no bwd_dtype); PerDirection none.
+        expected |= {np.dtype(d).name for d in (
+            getattr(m.fp8, "fwd_dtype", None),
+            getattr(m.fp8, "bwd_dtype", None)) if d is not None}
       # Float32 that the module's code asked for by name is not a mismatch.
       checked = {name for name, region in traced
                  if not (region and name == _F32_NAME)}

@@ -628,3 +628,40 @@ def test_both_gradient_gemms_round_the_cotangent_without_bias(recipe):
     # 256 draws' noise, and for NVFP4 a block scale that E4M3 rounds down
     # saturates the block's largest value at 6 whatever the rounding.
     assert bias < 0.25 * np.abs(np.asarray(rtn, np.float64) - true).mean()
+
+
+@pytest.mark.parametrize("fmt", [fp4.NVFP4(), fp4.MXFP4()])
+@pytest.mark.parametrize("xs,ws", [((0, 32), (32, 4)), ((3, 0), (0, 4)),
+                                   ((2, 0, 32), (32, 4))])
+def test_empty_operands_give_empty_or_zero_products(fmt, xs, ws):
+  # An expert given no tokens: the blocks had no rows (a modulo by zero).
+  dims = (((len(xs) - 1,), (0,)), ((), ()))
+  f = fp4.dot_general(fmt)
+  y = jax.jit(lambda x, w: f(x, w, dims))(jnp.ones(xs, jnp.bfloat16),
+                                           jnp.ones(ws, jnp.bfloat16))
+  assert y.shape == (*xs[:-1], ws[1]) and y.dtype == jnp.bfloat16
+  assert not np.asarray(y, np.float32).any()
+  gx, gw = jax.grad(lambda x, w: f(x, w, dims).sum(), argnums=(0, 1))(
+      jnp.ones(xs), jnp.ones(ws))
+  assert gx.shape == xs and gw.shape == ws and not np.asarray(gw).any()
+
+
+def test_dtype_report_takes_fp4_rules():
+  # FP4 recipes have one format (no bwd_dtype): the report raised.
+  import flax.linen as nn
+
+  import jmp_lite.linen as jl
+  m = jl.mixed_precision(nn.Dense(4), "p=f32,c=bf16,o=f32",
+                         rules=[(nn.Dense, fp4.NVFP4())])
+  v = m.init(jax.random.key(0), jnp.ones((2, 32)))
+  report = str(jl.dtype_report(m, v, jnp.ones((2, 32))))
+  assert "Fp4DotGeneral" in report and "matmuls ran in" in report
+
+
+@pytest.mark.parametrize("bad", [0, "fp4"])
+def test_nnx_fp4_dot_names_a_bad_rngs(bad):
+  import jmp_lite.fp4.nnx as fp4_nnx
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs with an"
+                     " 'fp4' stream"):
+    fp4_nnx.Fp4DotGeneral(fp4.NVFP4(), bad)
+

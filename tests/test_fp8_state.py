@@ -228,10 +228,17 @@ def test_commit_rejects_the_wrong_gradient_and_two_accumulators():
 
 
 def test_scaling_state_validation():
-  with pytest.raises(ValueError, match=r"history of shape \(3, n >= 1\)"):
+  with pytest.raises(ValueError,
+                     match=r"history of shape \(\.\.\., 3, n >= 1\)"):
     fp8.ScalingState(np.zeros((2, 4), np.float32), np.zeros(3, np.float32))
-  with pytest.raises(ValueError, match=r"pending of shape \(3,\)"):
+  with pytest.raises(ValueError, match=r"pending of shape \(\.\.\., 3\)"):
     fp8.ScalingState(np.zeros((3, 4), np.float32), np.zeros(4, np.float32))
+  with pytest.raises(ValueError, match=r"got \(2, 3, 4\) and \(3,\)"):
+    fp8.ScalingState(np.zeros((2, 3, 4), np.float32),
+                     np.zeros(3, np.float32))
+  # Layers stacked by a scan: one leading axis on both.
+  fp8.ScalingState(np.zeros((2, 3, 4), np.float32),
+                   np.zeros((2, 3), np.float32))
   # Unflattening (jit, eval_shape) never validates placeholder leaves.
   leaves, treedef = jax.tree.flatten(RECIPE.init())
   assert jax.tree.unflatten(treedef, [object()] * len(leaves)) is not None
@@ -287,3 +294,40 @@ def test_a_train_step_with_moving_state_compiles_once():
   for k in range(4):
     w, state, opt_state = step(w, state, opt_state, (k + 1) * X)
   assert int(jnp.sum(state.history[0] > 0)) == 4
+
+
+def test_commit_takes_layers_stacked_by_scan():
+  # nn.scan over layers stacks each layer's ScalingState along a leading
+  # axis: commit rolled a (3, n) history only (concatenate failed), and
+  # history_amax took the max over the roles.
+  import flax.linen as nn
+
+  import jmp_lite.fp8.linen as fl
+  recipe = jmp_lite.fp8.DelayedScaling(history=4)
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + nn.Dense(16, dtype=jnp.float32,
+                          dot_general_cls=fl.dot_general_cls(recipe))(x), None
+
+  stack = nn.scan(Layer, variable_axes={"params": 0, "fp8": 0},
+                  split_rngs={"params": True}, length=3)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 16)),
+                  jnp.float32)
+  v = stack().init(jax.random.key(0), x, None)
+
+  def loss(p, f):
+    return (stack().apply({"params": p, "fp8": f}, x, None)[0] ** 2).sum()
+
+  _, observed = jax.jit(jax.grad(loss, argnums=(0, 1)))(v["params"], v["fp8"])
+  new = jmp_lite.fp8.commit(v["fp8"], observed)
+  state = jax.tree.leaves(new, is_leaf=lambda s: isinstance(
+      s, jmp_lite.fp8.ScalingState))[0]
+  assert np.shape(state.history) == (3, 3, 4)
+  amax = np.asarray(jax.tree.leaves(jmp_lite.fp8.history_amax(new))[0])
+  assert amax.shape == (3, 3)
+  # Each layer committed its own observation: the lhs amax grows with
+  # depth (a residual stack), and every role saw something.
+  assert (amax > 0).all() and amax[2, 0] > amax[0, 0]
+

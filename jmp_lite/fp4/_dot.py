@@ -284,6 +284,12 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
         math.prod(batch), math.prod(m_shape), k)
     w = jnp.transpose(rhs, (*rb, *r_free, *rc)).reshape(
         math.prod(batch), math.prod(n_shape), k)
+    if 0 in x.shape or 0 in w.shape:
+      # An empty batch (an expert given no tokens) or contraction: nothing
+      # to quantize (the blocks have no rows), the product is zeros.
+      return jax.lax.dot_general(
+          lhs, rhs, dims, preferred_element_type=out_dtype,
+          out_sharding=out_sharding).astype(out_dtype)
     plan = _Plan(fwd, dgrad, wgrad, out_dtype, native_fp4())
     out = cast(jax.Array, _canonical(x, w, key, plan))
     out = out.reshape(*batch, *m_shape, *n_shape)

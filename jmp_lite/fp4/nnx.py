@@ -39,6 +39,10 @@ class Fp4DotGeneral(nnx.Module):
 
   def __init__(self, recipe: Recipe, rngs: nnx.Rngs | None = None) -> None:
     self.recipe = check_recipe(recipe)
+    if rngs is not None and not isinstance(rngs, nnx.Rngs):
+      raise TypeError(
+          "Fp4DotGeneral's rngs must be an nnx.Rngs with an 'fp4' stream"
+          f" (nnx.Rngs(fp4=seed)), got {type(rngs).__name__}: {rngs!r}")
     if rngs is not None and "fp4" not in rngs:
       raise ValueError("Fp4DotGeneral's rngs needs an 'fp4' stream:"
                        " nnx.Rngs(fp4=seed)")

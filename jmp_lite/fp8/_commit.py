@@ -156,7 +156,10 @@ def commit(state: T, observed: Any, opt_state: Any = None, *,
     seen = jnp.where(jnp.isfinite(seen), seen, 0.0)
     pending = jnp.maximum(jnp.asarray(s.pending, jnp.float32), seen)
     history = jnp.asarray(s.history, jnp.float32)
-    rolled = jnp.concatenate([pending[:, None], history[:, :-1]], axis=1)
+    # Leading axes are layers stacked by nn.scan / nnx.scan (a history
+    # (L, 3, n)): the window is the last axis.
+    rolled = jnp.concatenate([pending[..., None], history[..., :-1]],
+                             axis=-1)
     return ScalingState(
         history=jnp.where(advance, rolled, history),
         pending=jnp.where(window_end, jnp.zeros_like(pending), pending))
@@ -172,7 +175,8 @@ def history_amax(state: Any) -> Any:
 
   Returns:
     The same structure with a float32 ``(3,)`` array (``lhs``, ``rhs``,
-    ``grad``: each row's maximum; 0 while empty) per state.
+    ``grad``: each row's maximum; 0 while empty) per state, ``(L, 3)`` for
+    ``L`` layers stacked by a scan.
 
   Example:
     >>> import jmp_lite
@@ -181,7 +185,7 @@ def history_amax(state: Any) -> Any:
     {'a': Array([0., 0., 0.], dtype=float32)}
   """
   return jax.tree.map(
-      lambda s: jnp.max(jnp.asarray(s.history, jnp.float32), axis=1)
+      lambda s: jnp.max(jnp.asarray(s.history, jnp.float32), axis=-1)
       if _is_state(s) else s, state, is_leaf=_is_state)
 
 

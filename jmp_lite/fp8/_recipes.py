@@ -228,9 +228,10 @@ class ScalingState:
   Attributes:
     history: float32 ``(3, history)``: per row (``lhs``, ``rhs``, ``grad``),
       the amaxes of earlier optimizer steps, most recent first; ``0`` means
-      no observation yet.
-    pending: float32 ``(3,)``: the largest amaxes seen in the current
-      accumulation window, not yet committed to the history.
+      no observation yet. Layers stacked by a scan add leading axes.
+    pending: float32 ``(3,)`` (with the same leading axes): the largest
+      amaxes seen in the current accumulation window, not yet committed to
+      the history.
 
   Example:
     >>> import jax, jmp_lite
@@ -243,11 +244,14 @@ class ScalingState:
   pending: Any
 
   def __post_init__(self) -> None:
+    # Leading axes: layers stacked by nn.scan / nnx.scan, one state each.
     h, p = np.shape(self.history), np.shape(self.pending)
-    if len(h) != 2 or h[0] != len(ROLES) or h[1] < 1 or p != (len(ROLES),):
+    if (len(h) < 2 or h[-2] != len(ROLES) or h[-1] < 1
+        or p != h[:-1]):
       raise ValueError(
-          "ScalingState needs history of shape (3, n >= 1) and pending of"
-          f" shape (3,) (rows {ROLES}), got {h} and {p}")
+          "ScalingState needs history of shape (..., 3, n >= 1) and pending"
+          f" of shape (..., 3) (rows {ROLES}; leading axes stack layers),"
+          f" got {h} and {p}")
 
 
 @dataclasses.dataclass(frozen=True)
