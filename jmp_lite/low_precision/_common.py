@@ -145,9 +145,9 @@ def check_updates_fit(updates: Any, params: Any, who: str) -> None:
         f"{who}: the gradients' structure is not the params' ({g_def} against"
         f" {p_def})")
   for (path, g), p in zip(g_flat, p_leaves, strict=True):
-    if getattr(g, "shape", None) != getattr(p, "shape", None):
+    # np.shape: a Python number is a scalar, as JAX reads it.
+    if np.shape(g) != np.shape(p):
       raise ValueError(
           f"{who}: the gradient at {jax.tree_util.keystr(path)} has shape"
-          f" {getattr(g, 'shape', None)}, its param"
-          f" {getattr(p, 'shape', None)}")
+          f" {np.shape(g)}, its param {np.shape(p)}")
 
