@@ -665,3 +665,18 @@ def test_nnx_fp4_dot_names_a_bad_rngs(bad):
                      " 'fp4' stream"):
     fp4_nnx.Fp4DotGeneral(fp4.NVFP4(), bad)
 
+
+def test_plain_directions_in_half_precision_run_under_jit():
+  # PerDirection(None, None, ...) keeps the forward and data gradient in
+  # the operands' bfloat16; x.T @ w made XLA:CPU reject the dot
+  # ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
+  rec = fp4.PerDirection(None, None, fp4.NVFP4())
+  dims = (((0,), (0,)), ((), ()))
+  x = jnp.ones((37, 6), jnp.bfloat16)
+  w = jnp.ones((37, 11), jnp.bfloat16)
+  y = jax.jit(lambda x, w: fp4.dot_general(rec)(x, w, dims))(x, w)
+  assert y.dtype == jnp.bfloat16 and float(y[0, 0]) == 37.0
+  gx, gw = jax.jit(jax.grad(lambda x, w: fp4.dot_general(rec)(
+      x, w, dims).astype(jnp.float32).sum(), argnums=(0, 1)))(x, w)
+  assert gx.shape == x.shape and gw.shape == w.shape
+

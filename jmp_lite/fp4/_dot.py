@@ -110,8 +110,19 @@ def gemm(a: Quantized, b: Quantized, fmt: Format,
 def _plain(a: jax.Array, b: jax.Array) -> jax.Array:
   """The canonical product in the operands' own (promoted) dtype."""
   dtype = jnp.result_type(a.dtype, b.dtype)
-  return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), _CANONICAL,
-                             preferred_element_type=_F32)
+
+  def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(a, b, _CANONICAL, preferred_element_type=_F32)
+
+  a, b = a.astype(dtype), b.astype(dtype)
+  if np.dtype(dtype) == _F32:
+    return dot(a, b)
+  # XLA:CPU rejects some half x half -> float32 dots (a transposed bf16
+  # operand: "Unsupported element type for DotThunk"); it emulates half
+  # matmuls in float32 anyway, and the products are exact there.
+  return jax.lax.platform_dependent(
+      a, b, cpu=lambda a, b: dot(a.astype(_F32), b.astype(_F32)),
+      default=dot)
 
 
 @dataclasses.dataclass(frozen=True)
