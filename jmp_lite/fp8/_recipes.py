@@ -345,8 +345,8 @@ class DelayedScaling:
     """
     history = jnp.asarray(state.history, jnp.float32)
     if self.amax_compute == "most_recent":
-      return history[:, 0]
-    return jnp.max(history, axis=1)
+      return history[..., 0]
+    return jnp.max(history, axis=-1)
 
 
 Recipe = CurrentScaling | DelayedScaling | MXFP8
