@@ -60,6 +60,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 collect_ignore_glob = ["multidevice/*.py", "multiprocess/*.py"]
 
 
+def lowered_for_h100(fn: Callable[..., Any], *args: Any) -> str:
+  """``jax.jit(fn)`` lowered for an H100 from this (CPU) host, as a GPU
+  would compile it: the exported module's text (Triton kernels appear as
+  ``xla.gpu.triton`` custom calls). JAX >= 0.11."""
+  device = jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=[triton])(*args).mlir_module()
+
+
 def multidevice_env(devices: int) -> dict[str, str]:
   """The environment of a subprocess that sees ``devices`` CPU devices.
 

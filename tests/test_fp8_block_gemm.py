@@ -11,6 +11,7 @@ import pytest
 from jmp_lite import fp8
 from jmp_lite.fp8._block_gemm import block_scaled_dot, tile_sizes
 from jmp_lite.fp8._blocked import Layout, looped_dot, quantize_blocks
+from tests.conftest import lowered_for_h100
 from tests.test_fp8 import rel_err
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -79,19 +80,12 @@ def test_tile_sizes_are_powers_of_two_between_16_and_the_measured_best():
 def test_kernel_lowers_for_a_gpu():
   # Triton takes only power-of-two tiles and a subset of primitives: lower
   # a Llama-sized projection (11008 = 86 blocks of 128) for an H100.
-  device = jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   args = (jax.ShapeDtypeStruct((1, 4096, 86, 128), E5M2),
           jax.ShapeDtypeStruct((1, 4096, 86), jnp.float32),
           jax.ShapeDtypeStruct((1, 300, 86, 128), E4M3),
           jax.ShapeDtypeStruct((1, 300, 86), jnp.float32))
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(
-        jax.jit(block_scaled_dot), platforms=["cuda"],
-        disabled_checks=[triton])(*args)
-  assert exported.mlir_module().count("xla.gpu.triton") == 1
+  assert lowered_for_h100(block_scaled_dot, *args).count(
+      "xla.gpu.triton") == 1
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),
@@ -112,18 +106,11 @@ def test_block_recipe_picks_the_kernel_by_lowering_platform(formats, kernels):
     return fp8.dot_general(recipe)(
         x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32).sum()
 
-  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  fn = jax.value_and_grad(loss, argnums=(0, 1))
   args = (jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 384),
                                                          jnp.bfloat16))
-  device = jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jax.sharding.use_abstract_mesh(mesh):
-    cuda = jax.export.export(fn, platforms=["cuda"],
-                             disabled_checks=[triton])(*args)
-  assert cuda.mlir_module().count("xla.gpu.triton") == kernels
-  cpu = jax.export.export(fn, platforms=["cpu"])(*args)
+  assert lowered_for_h100(fn, *args).count("xla.gpu.triton") == kernels
+  cpu = jax.export.export(jax.jit(fn), platforms=["cpu"])(*args)
   assert "triton" not in cpu.mlir_module()
 
 
@@ -139,7 +126,7 @@ def test_block_recipe_runs_the_kernel_on_gpu():
     return fp8.dot_general(recipe)(
         x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32).sum()
 
-  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  fn = jax.value_and_grad(loss, argnums=(0, 1))
   # Forward, input and weight gradients: three kernels.
   assert str(jax.make_jaxpr(fn)(x, w)).count("pallas_call") == 3
   _, (dx, dw) = fn(x, w)

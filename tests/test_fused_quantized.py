@@ -14,6 +14,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite.low_precision import quantized_adam, QuantizedArray
+from tests.conftest import lowered_for_h100
 
 # At XLA:CPU's default optimisation level, as users compile: at the suite's
 # level 0, LLVM emits float32 sqrt differently in the interpreter's loop and
@@ -189,14 +190,8 @@ def test_auto_picks_the_kernel_by_lowering_platform():
   opt = quantized_adam(1e-3)
   params = {"w": jnp.ones((4, 256))}
   state = opt.init(params)
-  device = jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jax.sharding.use_abstract_mesh(mesh):
-    cuda = jax.export.export(jax.jit(opt.update), platforms=["cuda"],
-                             disabled_checks=[triton])(params, state, params)
-  assert cuda.mlir_module().count("xla.gpu.triton") == 1
+  cuda = lowered_for_h100(opt.update, params, state, params)
+  assert cuda.count("xla.gpu.triton") == 1
   cpu = jax.export.export(jax.jit(opt.update), platforms=["cpu"])(
       params, state, params)
   assert "triton" not in cpu.mlir_module()
@@ -253,41 +248,26 @@ def test_kernel_lowers_for_a_gpu(bits, rounding, scale_dtype):
   # gathers, any-reductions, tiles that are not powers of two, round, a
   # bfloat16 nextafter): lower each leaf shape and every option for an
   # H100 from this host, as a GPU would compile it.
-  device = jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   opt = quantized_adam(1e-3, bits=bits, block_size=64, kernel="pallas",
                        rounding=rounding, scale_dtype=scale_dtype)
   params = _params()
   state = opt.init(params)
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(
-        jax.jit(opt.update), platforms=["cuda"], disabled_checks=[triton])(
-            params, state, params)
+  module = lowered_for_h100(opt.update, params, state, params)
   # One kernel per quantized leaf (the scalar stays plain Adam), with the
   # kernel's own launch settings (not Pallas' defaults) though this host
   # is not a GPU.
-  assert exported.mlir_module().count("xla.gpu.triton") == 3
-  assert exported.mlir_module().count("num_warps = 8 : i32") == 3
+  assert module.count("xla.gpu.triton") == 3
+  assert module.count("num_warps = 8 : i32") == 3
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="JAX 0.10's CPU wheel has no Triton lowering")
 def test_blocks_too_wide_for_the_kernel_take_the_xla_path_on_gpus():
   # 8 x 16384 elements per program spilled 47,000 registers to memory.
-  device = jax.sharding.AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   opt = quantized_adam(1e-3, block_size=16384)
   params = {"w": jnp.ones((4, 16384))}
   state = opt.init(params)
-  triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(
-        jax.jit(opt.update), platforms=["cuda"], disabled_checks=[triton])(
-            params, state, params)
-  assert "triton" not in exported.mlir_module()
+  assert "triton" not in lowered_for_h100(opt.update, params, state, params)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu",
