@@ -78,3 +78,46 @@ def same_leaves(new: Any, old: Any) -> bool:
   old_leaves, old_def = jax.tree.flatten(old)
   return new_def == old_def and all(
       a is b for a, b in zip(new_leaves, old_leaves, strict=True))
+
+
+def is_variable(node: Any) -> bool:
+  """Whether ``node`` is a Flax nnx ``Variable`` (duck-typed).
+
+  Example:
+    >>> from jmp_lite._nnx_paths import is_variable
+    >>> is_variable(1.0)
+    False
+  """
+  return not isinstance(node, tuple) and callable(
+      getattr(node, "get_value", None)) and hasattr(node, "set_value")
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with each Flax nnx ``Variable`` replaced by its value: what
+  an optimizer whose state holds pytrees per param (a ``QuantizedArray``)
+  builds from, since ``nnx.update`` replaces a pytree held in a Variable by
+  a ``State`` of its fields.
+
+  Example:
+    >>> from jmp_lite._nnx_paths import unwrap_variables
+    >>> unwrap_variables({"w": 1.0})
+    {'w': 1.0}
+  """
+  return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x,
+                      tree, is_leaf=is_variable)
+
+
+def rewrap_like(given: Any, computed: Any) -> Any:
+  """``computed`` (plain arrays) in the structure of ``given`` (Variables
+  included), leaf for leaf: updates shaped like the gradients passed in.
+
+  Example:
+    >>> from jmp_lite._nnx_paths import rewrap_like
+    >>> rewrap_like({"w": 1.0}, {"w": 2.0})
+    {'w': 2.0}
+  """
+  if not any(is_variable(x) for x in jax.tree.leaves(
+      given, is_leaf=is_variable)):
+    return computed
+  return jax.tree.unflatten(jax.tree.structure(given),
+                            jax.tree.leaves(computed))

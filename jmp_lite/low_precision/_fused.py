@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 from jmp_lite import contract
 from jmp_lite._checks import check_own_state
 from jmp_lite._jaxpr import align_varying
+from jmp_lite._nnx_paths import rewrap_like, unwrap_variables
 from jmp_lite.low_precision._block_stats import outlier_and_scale_max
 from jmp_lite.low_precision._blockwise import (
   _blocks,
@@ -46,7 +47,6 @@ from jmp_lite.low_precision._common import (
   check_updates_fit,
   F32,
 )
-from jmp_lite.low_precision._leaves import rewrap_like, unwrap_variables
 from jmp_lite.low_precision._quantized import (
   quantized_states,
   QuantizedStatesState,

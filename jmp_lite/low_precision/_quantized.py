@@ -21,6 +21,7 @@ from jmp_lite import contract, struct
 from jmp_lite import dtypes as _dtypes
 from jmp_lite._checks import check_own_state, check_transformation
 from jmp_lite._jaxpr import depends_on_inputs
+from jmp_lite._nnx_paths import rewrap_like, unwrap_variables
 from jmp_lite.low_precision._blockwise import (
   bytes_per_element,
   dequantize,
@@ -39,12 +40,7 @@ from jmp_lite.low_precision._common import (
   unaliased,
   upcast,
 )
-from jmp_lite.low_precision._leaves import (
-  mirrors_a_param,
-  rewrap_like,
-  unsigned_leaf,
-  unwrap_variables,
-)
+from jmp_lite.low_precision._leaves import mirrors_a_param, unsigned_leaf
 from jmp_lite.low_precision._rounding import (
   check_seed,
   random_bits,
