@@ -3,10 +3,11 @@
   python .ci/check_dist.py dist/jmp_lite-X-py3-none-any.whl \
       dist/jmp_lite-X.tar.gz
 
-Every module under jmp_lite/ in the checkout and the ``py.typed`` marker must
-be in both; the wheel holds the package only (no tests, benchmarks or
-notebooks); the wheel's metadata declares the extras and the supported Python
-versions. Exits non-zero naming what is wrong.
+Every module under jmp_lite/ in the checkout, the C++ kernel sources it
+compiles on first use, and the ``py.typed`` marker must be in both; the
+wheel holds the package only (no tests, benchmarks or notebooks); the
+wheel's metadata declares the extras and the supported Python versions.
+Exits non-zero naming what is wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ EXTRAS = {"cuda", "cuda13", "equinox", "test", "docs", "lint"}
 
 def _package_files() -> set[str]:
   files = {p.relative_to(ROOT).as_posix()
-           for p in (ROOT / "jmp_lite").rglob("*.py")
+           for pattern in ("*.py", "*.cc")
+           for p in (ROOT / "jmp_lite").rglob(pattern)
            if "__pycache__" not in p.parts}
   return files | {"jmp_lite/py.typed"}
 

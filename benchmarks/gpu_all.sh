@@ -56,7 +56,7 @@ run 60 tests python3 -m pytest -q -p no:cacheprovider -n 0 -k gpu \
 run 60 fused_adam_warps python3 fused_adam_warps.py --rounds "${ROUNDS:-7}"
 # 8-bit states and the fused quantized_adam kernel against SR(adam) at the
 # seeds' 3 x 4096, then every row at 4 x 1024.
-run 120 quantized_step_cost python3 quantized_step_cost.py --fused \
+run 120 quantized_step_cost python3 quantized_step_cost.py --xla-path \
   --width 4096 --depth 3 --batch 512 --budget 90 --rounds "${ROUNDS:-7}" \
   --only "adam, 8));quantized_adam" --dump "$out/hlo"
 # The block-scaled FP8 GEMM kernel alone, against bf16 and the scan.
@@ -65,7 +65,7 @@ run 80 fp8_block_gemm python3 fp8_block_gemm.py --rounds "${ROUNDS:-5}"
 # last: on an H100 its step had not compiled after 180 s.
 run 150 gpu_fp8 python3 gpu_fp8.py --dump "$out/hlo" --rounds "${ROUNDS:-5}" \
   --variants fp8-current fp8-block fp8-mx fp8-row
-run 150 quantized_step_cost python3 quantized_step_cost.py --fused \
+run 150 quantized_step_cost python3 quantized_step_cost.py \
   --budget "${QCOST_BUDGET:-100}" --rounds "${ROUNDS:-7}"
 # The seeds' MLP (PyTorch's and Paddle's AMP recipes): 3 x 4096, batch 512.
 run 150 optimizer_memory python3 optimizer_memory.py --width 4096 --depth 3 \

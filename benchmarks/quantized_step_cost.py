@@ -7,15 +7,21 @@ For bfloat16 params of a Flax MLP (default 4 x 1024, batch 256), compares
 
 * bytes accessed and flops per parameter of the jitted optimizer step
   (update + apply, params and state donated), from XLA's cost model
-  (``compiled.cost_analysis()``), and the fusions the compiled step holds;
+  (``compiled.cost_analysis()``), and the fusions the compiled step holds.
+  XLA's model marks a custom call's cost unknown, so it does not see inside
+  ``quantized_adam``'s kernels (the C++ kernel on the CPU, Triton's on GPUs):
+  their bytes are added as the sizes of the calls' operands and results
+  (the kernels read each once and write each once), and their flops are
+  not counted (such rows are marked "+ kernel");
 * the wall time of that optimizer step alone and of the full donated train
   step (forward, backward, update), each timed interleaved with the
   baseline's.
 
 Each row is printed as it finishes, as ratios to its baseline measured in the
 same run; ``--budget SECONDS`` skips the rows that would start after it.
-``--fused`` adds the rows of ``quantized_adam`` (the fused Adam kernel,
-:mod:`jmp_lite.low_precision`), for the GPU.
+The ``quantized_adam`` rows (the fused Adam kernels,
+:mod:`jmp_lite.low_precision`) run its Pallas kernel on a GPU and its C++
+kernel on the CPU; ``--xla-path`` adds them with ``kernel="xla"``.
 
 Run: ``python benchmarks/quantized_step_cost.py`` (``--help`` for sizes).
 """
@@ -36,16 +42,57 @@ import optax
 
 import jmp_lite
 from _common import interleaved_seconds, mlp, size_parser
+from jmp_lite.low_precision import _cpu_kernel
 
 SCALE = 2.0**15
 
 
-def cost(compiled: Any) -> tuple[float, float]:
-  """(bytes accessed, flops) from XLA's cost model."""
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+             "f64": 8}
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of the arrays an HLO shape (a tuple too) names."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
+    if dtype in _ITEMSIZE:
+      total += _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(
+          ",") if d], dtype=np.int64))
+  return total
+
+
+# The kernels XLA's cost model sees as opaque custom calls: the C++ CPU
+# kernel and (on GPUs) Triton kernels, the Pallas kernel's.
+KERNEL_TARGETS = (_cpu_kernel.TARGET, "__gpu$xla.gpu.triton")
+
+
+def custom_call_bytes(hlo: str, target: str) -> int:
+  """Operand and result bytes of every custom call to ``target``."""
+  shapes = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = (\S+|\([^=]*?\)) ",
+                           hlo, re.M))
+  total = 0
+  for line in hlo.splitlines():
+    if f'custom_call_target="{target}"' not in line:
+      continue
+    result = line.split(" = ", 1)[1].split(" custom-call(", 1)[0]
+    operands = line.split(" custom-call(", 1)[1].split(")", 1)[0]
+    total += _shape_bytes(result) + sum(
+        _shape_bytes(shapes.get(name.strip(), ""))
+        for name in operands.split(","))
+  return total
+
+
+def cost(compiled: Any) -> tuple[float, float, bool]:
+  """(bytes accessed, flops, whether a kernel runs) from XLA's cost model,
+  the kernels' operand and result bytes added."""
   c = compiled.cost_analysis()
   if isinstance(c, list):  # Older JAX returned one dict per device.
     c = c[0]
-  return float(c["bytes accessed"]), float(c.get("flops", 0.0))
+  hlo = compiled.as_text() or ""
+  kernel = sum(custom_call_bytes(hlo, t) for t in KERNEL_TARGETS)
+  return (float(c["bytes accessed"]) + kernel, float(c.get("flops", 0.0)),
+          kernel > 0)
 
 
 def fusions(hlo: str) -> int:
@@ -55,7 +102,8 @@ def fusions(hlo: str) -> int:
   return len(re.findall(r"= \S+ fusion\(", entry))
 
 
-def variants(lr: float, fused: bool) -> dict[str, tuple[str, bool, Callable]]:
+def variants(lr: float, xla_path: bool
+             ) -> dict[str, tuple[str, bool, Callable]]:
   """name -> (baseline name, through update_and_apply, optimizer factory)."""
   sr, qs = jmp_lite.stochastic_rounding, jmp_lite.quantized_states
   adam = lambda: optax.adam(lr)
@@ -77,12 +125,18 @@ def variants(lr: float, fused: bool) -> dict[str, tuple[str, bool, Callable]]:
           "UAA SR(loss_scaled(adam))", True,
           lambda: sr(qs(scaled(adam()), bits=4))),
   }
-  if fused:
-    qa = jmp_lite.low_precision.quantized_adam
-    out["SR(quantized_adam(8))"] = (
-        "SR(adam)", False, lambda: sr(qa(lr, bits=8)))
-    out["SR(quantized_adam(4))"] = (
-        "SR(adam)", False, lambda: sr(qa(lr, bits=4)))
+  qa = jmp_lite.low_precision.quantized_adam
+  kernels = ["auto", "xla"] if xla_path else ["auto"]
+  for kernel in kernels:
+    tag = "" if kernel == "auto" else ", xla"
+    for bits in (8, 4):
+      out[f"SR(quantized_adam({bits}{tag}))"] = (
+          "SR(adam)", False,
+          lambda bits=bits, kernel=kernel: sr(qa(lr, bits=bits,
+                                                 kernel=kernel)))
+    out[f"UAA SR(loss_scaled(quantized_adam(8{tag})))"] = (
+        "UAA SR(loss_scaled(adam))", True,
+        lambda kernel=kernel: sr(scaled(qa(lr, bits=8, kernel=kernel))))
   return out
 
 
@@ -91,8 +145,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                        batch=256, steps=5, rounds=7)
   parser.add_argument("--budget", type=float, default=float("inf"),
                       help="seconds; rows that would start later are skipped")
-  parser.add_argument("--fused", action="store_true",
-                      help="also the fused quantized_adam rows (GPU)")
+  parser.add_argument("--xla-path", action="store_true",
+                      help="also quantized_adam's rows with kernel='xla'")
   parser.add_argument("--only", default="",
                       help="semicolon-separated substrings of the rows to run")
   parser.add_argument("--dump", type=pathlib.Path, default=None,
@@ -145,19 +199,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       args.dump.mkdir(parents=True, exist_ok=True)
       safe = "".join(c if c.isalnum() else "_" for c in name)
       (args.dump / f"qcost_{safe}.hlo.txt").write_text(hlo)
-    nbytes, flops = cost(compiled)
+    nbytes, flops, kernel = cost(compiled)
     # The optimizer step alone (update + apply, donated) on its own copy.
     own = jax.tree.map(lambda p: p.copy(), params0)
     opt_state = jax.block_until_ready(compiled((own, opt.init(own)), grads))
     full = jax.jit(step, donate_argnums=0)
     state = jax.block_until_ready(full(full(state, x, y), x, y))
     return {"bytes": nbytes / n_params, "flops": flops / n_params,
+            "kernel": kernel,
             "fusions": fusions(hlo), "step": lambda s: full(s, x, y),
             "state": state, "opt": lambda s: compiled(s, grads),
             "opt_state": opt_state}
 
   rows = []
-  table = variants(1e-4, args.fused)
+  table = variants(1e-4, args.xla_path)
   chosen = [n for n in table if not args.only
             or any(s in n for s in args.only.split(";"))]
   # A baseline runs where a chosen row needs it, and first.
@@ -193,14 +248,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     t = statistics.median(times[name])
     o_base = statistics.median(opt_times[base])
     o = statistics.median(opt_times[name])
-    row = {"optimizer": name, "bytes": r["bytes"],
+    row = {"optimizer": name, "bytes": r["bytes"], "kernel": r["kernel"],
            "bytes_ratio": r["bytes"] / b["bytes"], "flops": r["flops"],
            "flops_ratio": r["flops"] / max(b["flops"], 1e-30),
            "fusions": r["fusions"], "ms": t * 1e3, "time_ratio": t / t_base,
            "opt_ms": o * 1e3, "opt_ratio": o / o_base}
     rows.append(row)
+    plus = " + kernel" if r["kernel"] else ""
     print(f"| {name} | {row['bytes']:.1f} | {row['bytes_ratio']:.2f} |"
-          f" {row['flops']:.1f} | {row['flops_ratio']:.2f} |"
+          f" {row['flops']:.1f}{plus} | {row['flops_ratio']:.2f}{plus} |"
           f" {row['fusions']} | {row['opt_ms']:.3f} | {row['opt_ratio']:.2f} |"
           f" {row['ms']:.2f} | {row['time_ratio']:.2f} |",
           flush=True)

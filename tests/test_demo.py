@@ -332,19 +332,29 @@ def test_quantized_step_cost_benchmark_runs_small_on_cpu():
   out = _run_script(
       ["benchmarks/quantized_step_cost.py", "--width", "64",
        "--depth", "2", "--batch", "8", "--steps", "1", "--rounds", "1",
-       "--fused", "--only", "adam, 8));quantized_adam(8)"])
+       "--xla-path", "--only", "adam, 8));quantized_adam(8"])
   rows = {cells[1]: cells[2:-1] for cells in (
       [c.strip() for c in line.split("|")] for line in out.stdout.splitlines()
-      if line.startswith("| SR("))}
+      if line.startswith(("| SR(", "| UAA")))}
   # --only runs the chosen rows and the baseline they need, nothing else.
-  assert set(rows) == {"SR(adam)", "SR(quantized_states(adam, 8))",
-                       "SR(quantized_adam(8))"}, out.stdout
+  assert set(rows) == {
+      "SR(adam)", "SR(quantized_states(adam, 8))", "SR(quantized_adam(8))",
+      "SR(quantized_adam(8, xla))", "UAA SR(loss_scaled(adam))",
+      "UAA SR(loss_scaled(quantized_adam(8)))",
+      "UAA SR(loss_scaled(quantized_adam(8, xla)))"}, out.stdout
   base = [float(c) for c in rows["SR(adam)"]]
   # bytes, ratio, flops, ratio, fusions, opt ms, ratio, full ms, ratio.
   assert len(base) == 9 and base[1] == base[3] == base[6] == base[8] == 1.0
-  # On the CPU quantized_adam runs quantized_states' XLA path: same cost.
-  assert rows["SR(quantized_adam(8))"][:4] == rows[
+  # kernel="xla" is quantized_states' XLA path: the same cost.
+  assert rows["SR(quantized_adam(8, xla))"][:4] == rows[
       "SR(quantized_states(adam, 8))"][:4]
+  # The C++ kernel's flops are outside XLA's model (said so); its bytes are
+  # counted, and fewer than the XLA path's.
+  kernel = rows["SR(quantized_adam(8))"]
+  assert kernel[2].endswith("+ kernel") and kernel[3].endswith("+ kernel")
+  assert float(kernel[0]) < float(rows["SR(quantized_adam(8, xla))"][0])
+  assert rows["UAA SR(loss_scaled(quantized_adam(8)))"][2].endswith(
+      "+ kernel")
 
 
 @pytest.mark.slow

@@ -1,8 +1,15 @@
-"""quantized_adam: the fused kernel (run in Pallas' interpreter on the CPU)
-writes what quantized_states(optax.adam)'s XLA path writes."""
+"""quantized_adam: the fused kernels (the Pallas kernel run in Pallas'
+interpreter, and the C++ CPU kernel) write what quantized_states(optax.adam)'s
+XLA path writes."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
 from typing import Any
 
 import chex
@@ -13,13 +20,18 @@ import optax
 import pytest
 
 import jmp_lite
-from jmp_lite.low_precision import quantized_adam, QuantizedArray
-from tests.conftest import lowered_for_h100
+from jmp_lite.low_precision import _cpu_kernel, quantized_adam, QuantizedArray
+from tests.conftest import lowered_for_h100, ROOT
 
 # At XLA:CPU's default optimisation level, as users compile: at the suite's
 # level 0, LLVM emits float32 sqrt differently in the interpreter's loop and
 # in the whole-array program, an ulp apart in a few of nu's scales.
 pytestmark = pytest.mark.usefixtures("optimized_codegen")
+
+# The kernels that run on this host: Pallas' interpreter and the C++ kernel.
+KERNELS = ["interpret", pytest.param("cpu", marks=pytest.mark.skipif(
+    bool(_cpu_kernel.unavailable()),
+    reason=f"no C++ kernel here: {_cpu_kernel.unavailable()}"))]
 
 _SHAPES = {"w": (16, 256), "b": (70,), "c": (3, 5, 40), "s": ()}
 
@@ -39,6 +51,56 @@ def _grads(step: int) -> dict[str, jax.Array]:
   return g
 
 
+def _assert_state_matches(want: Any, got: Any, kernel: str) -> None:
+  """``got`` (a kernel's state) against ``want`` (the XLA path's).
+
+  Bit for bit from Pallas' interpreter, which XLA compiles as it compiles
+  the XLA path. The C++ kernel computes each new moment once, as XLA:CPU's
+  default code generation computes it (bit for bit there); but XLA:CPU
+  contracts a moment's multiply-add into an FMA in some fusions and not in
+  others, depending on its emitters and flags (this suite's among them), so
+  the XLA path's own fusions may disagree by an ulp: a scale or outlier may
+  then differ by an ulp (more where the new moment cancels: 1e-6 relative
+  in the padding test) and a code a hair from a rounding threshold by one.
+  test_cpu_kernel_is_the_xla_path_bit_for_bit_at_default_flags holds it to
+  the XLA path bit for bit where XLA:CPU runs with its defaults.
+  """
+  is_q = lambda x: isinstance(x, QuantizedArray)
+  assert jax.tree.structure(want) == jax.tree.structure(got)
+  paths = jax.tree_util.tree_flatten_with_path(want, is_leaf=is_q)[0]
+  for (path, x), y in zip(paths, jax.tree.leaves(got, is_leaf=is_q),
+                          strict=True):
+    name = jax.tree_util.keystr(path)
+    if kernel != "cpu" or not is_q(x):
+      for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=name)
+      continue
+    codes = [np.asarray(q.codes).astype(np.int32) for q in (x, y)]
+    if x.bits == 4:
+      codes = [np.stack([c & 0xF, c >> 4]) for c in codes]
+    diff = np.abs(codes[0] - codes[1])
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-2, name
+    for field in ("scales", "outliers"):
+      a, b = getattr(x, field), getattr(y, field)
+      assert a.dtype == b.dtype, name
+      np.testing.assert_allclose(np.asarray(a, np.float32),
+                                 np.asarray(b, np.float32), rtol=1e-5,
+                                 err_msg=f"{name}.{field}")
+    for field in ("where", "form"):
+      np.testing.assert_array_equal(np.asarray(getattr(x, field)),
+                                    np.asarray(getattr(y, field)),
+                                    err_msg=f"{name}.{field}")
+
+
+def _assert_updates_match(want: Any, got: Any, kernel: str) -> None:
+  # Within an ulp or two; for the C++ kernel also within 1e-6 of the
+  # learning rate, where a moment's FMA (above) meets cancellation.
+  chex.assert_trees_all_close(got, want, rtol=3e-7,
+                              atol=1e-8 if kernel == "cpu" else 0.0)
+
+
 def _run(kernel: str, steps: int = 3, **kwargs: Any) -> tuple[list[Any], Any]:
   kwargs = {"block_size": 64, **kwargs}
   opt = quantized_adam(1e-2, kernel=kernel, **kwargs)
@@ -55,18 +117,15 @@ def _run(kernel: str, steps: int = 3, **kwargs: Any) -> tuple[list[Any], Any]:
 @pytest.mark.parametrize("bits,rounding,scale_dtype,block_size", [
     (8, "stochastic", "float32", 64), (4, "stochastic", "float32", 64),
     (8, "nearest", "bfloat16", 64)])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_writes_the_xla_paths_state(bits, rounding, scale_dtype,
-                                           block_size):
+                                           block_size, kernel):
   kwargs = dict(bits=bits, rounding=rounding, scale_dtype=scale_dtype,
                 block_size=block_size)
   u_xla, s_xla = _run("xla", **kwargs)
-  u_kernel, s_kernel = _run("interpret", **kwargs)
-  # Codes, scales, outliers, indices, forms and counters: bit for bit.
-  a, b = jax.tree.leaves(s_xla), jax.tree.leaves(s_kernel)
-  assert jax.tree.structure(s_xla) == jax.tree.structure(s_kernel)
-  for x, y in zip(a, b, strict=True):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  u_kernel, s_kernel = _run(kernel, **kwargs)
+  # Codes, scales, outliers, indices, forms and counters.
+  _assert_state_matches(s_xla, s_kernel, kernel)
   mu = s_kernel.inner_state[0].mu["w"]
   assert isinstance(mu, QuantizedArray) and mu.bits == bits
   # The spike is its block's outlier, kept exactly.
@@ -75,17 +134,20 @@ def test_kernel_writes_the_xla_paths_state(bits, rounding, scale_dtype,
   # program (plain jitted optax.adam differs by an ulp between a one-leaf and
   # a two-leaf tree), so within an ulp or two, not bit for bit.
   for x, y in zip(u_xla, u_kernel, strict=True):
-    jax.tree.map(lambda p, q: np.testing.assert_allclose(
-        np.asarray(p), np.asarray(q), rtol=3e-7, atol=0), x, y)
+    _assert_updates_match(x, y, kernel)
 
 
-def test_wide_blocks_write_the_xla_paths_state():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_wide_blocks_write_the_xla_paths_state(kernel):
   # Blocks of 512 (and a last axis of 40 read as rows). XLA:CPU may
   # contract the moment's multiply-add differently in the two programs: an
   # outlier (kept exactly, as computed) may then differ by an ulp; the
   # codes, indices and scales may not.
   _, s_xla = _run("xla", block_size=512)
-  _, s_kernel = _run("interpret", block_size=512)
+  _, s_kernel = _run(kernel, block_size=512)
+  if kernel == "cpu":
+    _assert_state_matches(s_xla, s_kernel, kernel)
+    return
   for x, y in zip(jax.tree.leaves(s_xla), jax.tree.leaves(s_kernel),
                   strict=True):
     if jnp.issubdtype(x.dtype, jnp.floating):
@@ -94,7 +156,7 @@ def test_wide_blocks_write_the_xla_paths_state():
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("kernel", ["auto", "interpret"])
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS])
 def test_data_parallel_step_inside_shard_map(kernel):
   # Replicated params and state, the gradient averaged over the mesh axis,
   # under shard_map's default check_vma: the kernel's outputs must say how
@@ -113,11 +175,12 @@ def test_data_parallel_step_inside_shard_map(kernel):
   got = mapped(_grads(0), state, params)
   want = jax.jit(quantized_adam(1e-2, block_size=64, kernel="xla").update)(
       _grads(0), state, params)
-  chex.assert_trees_all_close(got[1], want[1], rtol=0, atol=0)
-  chex.assert_trees_all_close(got[0], want[0], rtol=3e-7)
+  _assert_state_matches(want[1], got[1], kernel)
+  _assert_updates_match(want[0], got[0], kernel)
 
 
-def test_vmapped_over_states_writes_the_xla_paths_state():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_vmapped_over_states_writes_the_xla_paths_state(kernel):
   # An ensemble: one optimizer state per member, stepped under vmap.
   params = _params()
   g = _grads(0)
@@ -127,12 +190,13 @@ def test_vmapped_over_states_writes_the_xla_paths_state():
     states = jax.vmap(lambda _: opt.init(params))(jnp.arange(3))
     return jax.jit(jax.vmap(lambda s: opt.update(g, s, params)))(states)
 
-  (u_xla, s_xla), (u_kernel, s_kernel) = run("xla"), run("interpret")
-  chex.assert_trees_all_close(s_kernel, s_xla, rtol=0, atol=0)
-  chex.assert_trees_all_close(u_kernel, u_xla, rtol=3e-7)
+  (u_xla, s_xla), (u_kernel, s_kernel) = run("xla"), run(kernel)
+  _assert_state_matches(s_xla, s_kernel, kernel)
+  _assert_updates_match(u_xla, u_kernel, kernel)
 
 
-def test_blocks_padded_to_a_power_of_two_ignore_their_padding():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_blocks_padded_to_a_power_of_two_ignore_their_padding(kernel):
   # A last axis of 40 in blocks of 64 is read as 64 wide (Triton's tiles):
   # the 24 padding elements must stay out of the block's statistics. Here
   # the second step about cancels the first's mu, leaving only its rounding
@@ -142,21 +206,20 @@ def test_blocks_padded_to_a_power_of_two_ignore_their_padding():
   g1 = {"c": jnp.asarray(g, jnp.float32)}
   g2 = {"c": jnp.asarray(-0.9 * g, jnp.float32)}
   states = {}
-  for kernel in ("xla", "interpret"):
-    opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+  for name in ("xla", kernel):
+    opt = quantized_adam(1e-2, block_size=64, kernel=name)
     state = opt.init(params)
     for g in (g1, g2):
       _, state = jax.jit(opt.update)(g, state, params)
-    states[kernel] = state
-  for x, y in zip(jax.tree.leaves(states["xla"]),
-                  jax.tree.leaves(states["interpret"]), strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    states[name] = state
+  _assert_state_matches(states["xla"], states[kernel], kernel)
 
 
-def test_skipped_step_is_bit_identical():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_skipped_step_is_bit_identical(kernel):
   scale = jmp_lite.DynamicLossScale(2.0**10)
   opt = jmp_lite.stochastic_rounding(jmp_lite.loss_scaled(
-      quantized_adam(1e-2, block_size=64, kernel="interpret"), scale))
+      quantized_adam(1e-2, block_size=64, kernel=kernel), scale))
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
   state = opt.init(params)
   step = jax.jit(lambda g, s, p: jmp_lite.update_and_apply(opt, g, s, p))
@@ -173,41 +236,54 @@ def test_skipped_step_is_bit_identical():
                                   np.asarray(y, np.float32))
 
 
-@pytest.mark.parametrize("kernel,fused", [("xla", False), ("interpret", True)])
-def test_kernel_choice(kernel, fused):
+@pytest.mark.parametrize("kernel,pallas,cpu", [
+    ("xla", False, False), ("interpret", True, False),
+    *[pytest.param(*v, marks=KERNELS[1].marks)
+      for v in [("cpu", False, True), ("auto", True, True)]]])
+def test_kernel_choice(kernel, pallas, cpu):
+  # "auto" on a CPU host traces both kernels: platform_dependent lowers the
+  # one for the platform the step is compiled for.
   opt = quantized_adam(1e-3, kernel=kernel)
   params = {"w": jnp.ones((4, 256))}
   jaxpr = str(jax.make_jaxpr(opt.update)(params, opt.init(params), params))
-  assert ("pallas_call" in jaxpr) == fused
+  assert ("pallas_call" in jaxpr) == pallas
+  assert (_cpu_kernel.TARGET in jaxpr) == cpu
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="JAX 0.10's CPU wheel has no Triton lowering")
 def test_auto_picks_the_kernel_by_lowering_platform():
-  # "auto": the kernel where the step is lowered for a CUDA GPU, the XLA
-  # path where it is lowered for the CPU (a CPU computation on a GPU host),
-  # whatever the process's default backend.
+  # "auto": the Pallas kernel where the step is lowered for a CUDA GPU, the
+  # C++ kernel (on this CPU host) where it is lowered for the CPU, whatever
+  # the process's default backend. An export for the CPU names the C++
+  # kernel's custom call, which jax.export accepts only when told to.
   opt = quantized_adam(1e-3)
   params = {"w": jnp.ones((4, 256))}
   state = opt.init(params)
   cuda = lowered_for_h100(opt.update, params, state, params)
   assert cuda.count("xla.gpu.triton") == 1
-  cpu = jax.export.export(jax.jit(opt.update), platforms=["cpu"])(
-      params, state, params)
-  assert "triton" not in cpu.mlir_module()
+  assert _cpu_kernel.TARGET not in cuda
+  export = functools.partial(jax.export.export, jax.jit(opt.update),
+                             platforms=["cpu"])
+  if not _cpu_kernel.unavailable():
+    with pytest.raises(ValueError, match=_cpu_kernel.TARGET):
+      export()(params, state, params)
+  cpu = export(disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+      _cpu_kernel.TARGET)])(params, state, params).mlir_module()
+  assert "triton" not in cpu
+  assert (_cpu_kernel.TARGET in cpu) == (not _cpu_kernel.unavailable())
 
 
-def test_state_moves_to_and_from_quantized_states():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_state_moves_to_and_from_quantized_states(kernel):
   # The same state: quantized_states(optax.adam) steps what the kernel made.
   plain = jmp_lite.quantized_states(optax.adam(1e-2), block_size=64)
-  _, state = _run("interpret", steps=1)
+  _, state = _run(kernel, steps=1)
   params = _params()
   _, s_plain = jax.jit(plain.update)(_grads(1), state, params)
-  opt = quantized_adam(1e-2, block_size=64, kernel="interpret")
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
   _, s_kernel = jax.jit(opt.update)(_grads(1), state, params)
-  for x, y in zip(jax.tree.leaves(s_plain), jax.tree.leaves(s_kernel),
-                  strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  _assert_state_matches(s_plain, s_kernel, kernel)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -297,3 +373,174 @@ def test_compiled_kernel_matches_the_xla_path_on_gpu(bits):
   for x, y in zip(u_xla, u_kernel, strict=True):
     jax.tree.map(lambda p, q: np.testing.assert_allclose(
         np.asarray(p), np.asarray(q), rtol=1e-3, atol=1e-6), x, y)
+
+
+# The C++ kernel on what users hand it.
+
+
+def _both(params: Any, grads: list[Any], **kwargs: Any) -> list[Any]:
+  # (last updates, state) of the XLA path and of the C++ kernel.
+  out = []
+  for kernel in ("xla", "cpu"):
+    opt = quantized_adam(1e-2, kernel=kernel, **kwargs)
+    state, u = opt.init(params), None
+    update = jax.jit(opt.update)
+    for g in grads:
+      u, state = update(g, state, params)
+    out.append((u, state))
+  return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_cpu_kernel_reads_gradients_in_their_dtype(kernel, dtype):
+  # Half-precision gradients (and params), as a bfloat16 or float16 model
+  # hands them, are read and widened in the kernel.
+  params = jax.tree.map(lambda p: p.astype(dtype), _params())
+  grads = [jax.tree.map(lambda g: jnp.clip(g, -6e4, 6e4).astype(dtype),
+                        _grads(i)) for i in range(2)]
+  (u_xla, s_xla), (u_cpu, s_cpu) = _both(params, grads, block_size=64)
+  _assert_state_matches(s_xla, s_cpu, kernel)
+  _assert_updates_match(u_xla, u_cpu, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cpu_kernel_walks_every_block_layout(kernel, bits):
+  # Blocks of several whole rows (a last axis of 7: 9 rows of 7 in a block
+  # of 64, odd widths packing 4-bit pairs across no block boundary), a
+  # partial last block, and a leaf of many blocks (several threads' tasks).
+  rng = np.random.default_rng(5)
+  shapes = {"rows": (6, 5, 7), "odd": (3, 99), "big": (160, 640),
+            "vec": (1,)}
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+            for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.standard_normal(s) * 10.0**i, jnp.float32)
+            for k, s in shapes.items()} for i in range(3)]
+  (u_xla, s_xla), (u_cpu, s_cpu) = _both(params, grads, bits=bits,
+                                         block_size=64)
+  _assert_state_matches(s_xla, s_cpu, kernel)
+  _assert_updates_match(u_xla, u_cpu, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_reads_each_moment_with_the_map_it_was_written_with(
+    kernel):
+  # nu's codes written with the signed map (a checkpoint of another
+  # ``unsigned=``): both paths read them by their form and convert.
+  params = _params()
+  _, state = _run("xla", steps=1)
+  adam_state = state.inner_state[0]
+  flipped = jax.tree.map(
+      lambda q: dataclasses.replace(q, form=q.form.at[2].set(1))
+      if isinstance(q, QuantizedArray) else q,
+      adam_state.nu, is_leaf=lambda x: isinstance(x, QuantizedArray))
+  state = dataclasses.replace(state, inner_state=(
+      adam_state._replace(nu=flipped), *state.inner_state[1:]))
+  outs = []
+  for name in ("xla", "cpu"):
+    opt = quantized_adam(1e-2, block_size=64, kernel=name)
+    outs.append(jax.jit(opt.update)(_grads(1), state, params))
+  assert int(outs[1][1].inner_state[0].nu["w"].form[2]) == 0
+  _assert_state_matches(outs[0][1], outs[1][1], kernel)
+  _assert_updates_match(outs[0][0], outs[1][0], kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_writes_a_donated_state_in_place(kernel):
+  # A train step donates the state: the kernel writes the new codes into
+  # the old buffers (the XLA path copies every donated code array first).
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+  params = _params()
+  state = opt.init(params)
+  step = jax.jit(opt.update, donate_argnums=1)
+  hlo = step.lower(_grads(0), state, params).compile().as_text() or ""
+  assert not re.search(r"= u8\[[0-9,]*\]\{[0-9,]*\} copy\(", hlo)
+  want = jax.jit(opt.update)(_grads(0), state, params)
+  got = step(_grads(0), jax.tree.map(jnp.copy, state), params)
+  # The same kernel, donated or not: bit for bit.
+  chex.assert_trees_all_equal(want[1], got[1])
+
+
+def test_without_a_compiler_auto_warns_and_takes_the_xla_path(monkeypatch):
+  why = "RuntimeError: no C++ compiler found (a test)"
+  monkeypatch.setattr(_cpu_kernel, "unavailable", lambda: why)
+  with pytest.raises(RuntimeError, match="cannot be built here .*a test"):
+    quantized_adam(1e-3, kernel="cpu")
+  opt = quantized_adam(1e-2, block_size=64)
+  params = _params()
+  state = opt.init(params)
+  with pytest.warns(UserWarning, match="takes the XLA path"):
+    jaxpr = str(jax.make_jaxpr(opt.update)(_grads(0), state, params))
+  assert _cpu_kernel.TARGET not in jaxpr
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_refuses_gradients_it_cannot_read(kernel):
+  with jax.enable_x64(True):
+    params = {"w": jnp.ones((4, 64), jnp.float64)}
+    opt = quantized_adam(1e-2, block_size=64, kernel="cpu")
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="cannot take this step .gradients"
+                       " of dtype float64"):
+      opt.update(params, state, params)
+    # "auto" takes the XLA path for them.
+    auto = quantized_adam(1e-2, block_size=64)
+    jaxpr = str(jax.make_jaxpr(auto.update)(params, state, params))
+    assert _cpu_kernel.TARGET not in jaxpr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_is_built_once_into_the_cache(kernel, tmp_path,
+                                                  monkeypatch):
+  monkeypatch.setenv("JMP_LITE_CACHE", str(tmp_path))
+  built = _cpu_kernel._build()
+  assert built.parent == tmp_path and built.suffix == ".so"
+  stamp = built.stat().st_mtime_ns
+  assert _cpu_kernel._build() == built
+  assert built.stat().st_mtime_ns == stamp
+  assert [p.name for p in tmp_path.iterdir()] == [built.name]
+
+
+_DEFAULT_FLAGS_CHECK = """
+import numpy as np, jax
+from tests.test_fused_quantized import _run
+for kw in [dict(bits=8), dict(bits=4), dict(rounding="nearest",
+           scale_dtype="bfloat16"), dict(block_size=512)]:
+  (_, want), (_, got) = _run("xla", **kw), _run("cpu", **kw)
+  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    assert x.dtype == y.dtype, kw
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), str(kw))
+print("same")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_is_the_xla_path_bit_for_bit_at_default_flags(kernel):
+  # This suite compiles with flags that change where XLA:CPU contracts
+  # multiply-adds; a user's process has XLA's defaults, where the kernel
+  # writes the XLA path's codes, scales, outliers and indices bit for bit.
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(ROOT))
+  done = subprocess.run([sys.executable, "-c", _DEFAULT_FLAGS_CHECK],
+                        env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert done.returncode == 0 and done.stdout.strip() == "same", (
+      done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_cpu_kernel_refuses_arrays_that_do_not_fit_the_layout(kernel):
+  # The kernel indexes the state's arrays by the leaf's layout: a state
+  # whose arrays were cut to another shape is refused before it runs.
+  params = {"w": jnp.ones((4, 256))}
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+  state: Any = opt.init(params)
+  mu = state.inner_state[0].mu["w"]
+  cut = dataclasses.replace(mu, scales=mu.scales[:, :2])
+  state = dataclasses.replace(state, inner_state=(
+      state.inner_state[0]._replace(mu={"w": cut}), *state.inner_state[1:]))
+  with pytest.raises(ValueError, match=r"a mu leaf's arrays .* do not fit"):
+    jax.jit(opt.update)(params, state, params)

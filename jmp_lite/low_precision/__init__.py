@@ -16,7 +16,8 @@ bytes per parameter. These transformations fix it at 6-8:
 * :func:`quantized_states` stores it in 8 or 4 bits per element, one scale
   per block: with stochastic rounding, bfloat16 params and Adam's state
   together take about 4 bytes per parameter. :func:`quantized_adam` is
-  Adam with that state, one fused Pallas kernel per param on GPUs.
+  Adam with that state, one fused kernel per param (Pallas on GPUs, C++ on
+  CPUs).
 
 Together (``kahan_summation(state_dtypes(adam, "bf16"))``) they are the
 ``O3`` preset's default recipe; see ``docs/low_precision.md``.

@@ -5,17 +5,21 @@ The state is :func:`quantized_states` ``(optax.adam(...))``'s, leaf for leaf
 (Triton) kernel per param: per block it decodes ``mu`` and ``nu``, applies
 Adam's moment update in float32, takes each new moment's outlier and scale
 from the new values, draws the stochastic codes' bits and writes the codes,
-in one pass over the state with nothing materialised in between. Elsewhere (the
-CPU), and for states it cannot take, it runs :func:`quantized_states`' XLA
-path; both write the same codes, scales and outliers, bit for bit, except
-where a block's largest elements tie to within 2**-20: the kernel keeps the
-first of them as the outlier, the XLA path the largest as XLA computed it
-(which may differ by an ulp between equal inputs).
+in one pass over the state with nothing materialised in between. On the CPU
+a C++ kernel (``_cpu_kernel``) does the same per block. Where neither runs
+it takes :func:`quantized_states`' XLA path. All write the same codes,
+scales and outliers: the Pallas kernel (in Pallas' interpreter) bit for bit,
+except where a block's largest elements tie to within 2**-20 (it keeps the
+first of them as the outlier, the XLA path the largest as XLA computed it,
+which may differ by an ulp between equal inputs); the C++ kernel bit for
+bit under XLA:CPU's default flags (flags that move XLA's multiply-add
+contractions move an outlier or scale by an ulp, a code by one).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -29,6 +33,7 @@ from jmp_lite import contract
 from jmp_lite._checks import check_own_state
 from jmp_lite._jaxpr import align_varying
 from jmp_lite._nnx_paths import rewrap_like, unwrap_variables
+from jmp_lite.low_precision import _cpu_kernel
 from jmp_lite.low_precision._block_stats import outlier_and_scale_max
 from jmp_lite.low_precision._blockwise import (
   _blocks,
@@ -53,7 +58,7 @@ from jmp_lite.low_precision._quantized import (
 )
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
 
-_KERNELS = ("auto", "pallas", "interpret", "xla")
+_KERNELS = ("auto", "pallas", "cpu", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With
 # 4 warps ptxas gave each thread 191 registers (16 elements each): 8 warps
 # per multiprocessor; with 8 warps, 78 registers: 24 warps per
@@ -151,6 +156,20 @@ def _leaf_keys(key: jax.Array, leaf: int) -> tuple[jax.Array, jax.Array]:
   return k1, _mix(k1 ^ _C1)
 
 
+def _meta(mu: QuantizedArray, nu: QuantizedArray, count: jax.Array,
+          key: jax.Array, leaves: tuple[int, int]) -> jax.Array:
+  """What both kernels read per param (uint32[8]): the count, mu's and nu's
+  random keys, the map each was written with, the forms' check bits."""
+  oks = [check_form(q) for q in (mu, nu)]
+  ok = sum(jnp.asarray(True if o is None else o).astype(jnp.uint32) << i
+           for i, o in enumerate(oks))
+  (k1m, k2m), (k1n, k2n) = _leaf_keys(key, leaves[0]), _leaf_keys(
+      key, leaves[1])
+  return jnp.stack([
+      jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
+      mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
+
+
 def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
                 count: jax.Array, key: jax.Array, leaves: tuple[int, int], *,
                 adam: optax.GradientTransformation, stochastic: bool,
@@ -177,14 +196,7 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
             flat_blocks(q.outliers.astype(F32)),
             flat_blocks(q.where.astype(jnp.int32))]
 
-  oks = [check_form(q) for q in (mu, nu)]
-  ok = sum(jnp.asarray(True if o is None else o).astype(jnp.uint32) << i
-           for i, o in enumerate(oks))
-  (k1m, k2m), (k1n, k2n) = _leaf_keys(key, leaves[0]), _leaf_keys(
-      key, leaves[1])
-  meta = jnp.stack([
-      jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
-      mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
+  meta = _meta(mu, nu, count, key, leaves)
   tile_spec = pl.BlockSpec((tile, wide), lambda i: (i, 0))
   one_spec = pl.BlockSpec((tile, 1), lambda i: (i, 0))
   meta_spec = pl.BlockSpec((8,), lambda i: (0,))
@@ -244,6 +256,29 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   return updates, back(mu, out[1:5], True), back(nu, out[5:9], False)
 
 
+def _kernels_take(updates: Any, state: QuantizedStatesState) -> str:
+  """Why the kernels cannot take this step ("" when they can): they read
+  float32 and half gradients (and write float32 updates, as the XLA path
+  does for them) and the maps' integer powers."""
+  for g in jax.tree.leaves(updates):
+    if np.dtype(g.dtype) not in _cpu_kernel.GRAD_DTYPES:
+      return f"gradients of dtype {np.dtype(g.dtype).name}"
+  for q in jax.tree.leaves(state.inner_state,
+                           is_leaf=lambda x: isinstance(x, QuantizedArray)):
+    if isinstance(q, QuantizedArray) and q.power not in (1.0, 2.0, 3.0):
+      return f"a map of power {q.power}"
+  return ""
+
+
+@functools.cache
+def _warn_no_cpu_kernel(why: str) -> None:
+  # Once per process and reason: every trace would repeat it.
+  warnings.warn(
+      f"quantized_adam: the CPU kernel cannot be built here ({why}); the step"
+      " takes the XLA path, several times slower on the CPU. Install a C++"
+      " compiler, or pass kernel='xla' to choose that path", stacklevel=3)
+
+
 def quantized_adam(
     learning_rate: float,
     b1: float = 0.9,
@@ -261,19 +296,31 @@ def quantized_adam(
 
   The same optimizer as ``quantized_states(optax.adam(learning_rate, b1, b2,
   eps), bits, block_size, ...)``, with the same state (a checkpoint moves
-  between them), whose step on a GPU is one Pallas kernel per param:
-  each block's moments are decoded, updated in float32 and re-encoded, the
-  block's outlier and scale taken from the new values, in one pass.
+  between them), whose step is one kernel per param: each block's moments
+  are decoded, updated in float32 and re-encoded, the block's outlier and
+  scale taken from the new values, in one pass.
 
-  ``kernel`` picks the path: ``"auto"`` (the kernel where the step is
-  lowered for a CUDA GPU and blocks have at most 8192 elements, the XLA
-  path of :func:`quantized_states` elsewhere, a CPU computation on a GPU
-  host included), ``"pallas"``,
-  ``"interpret"`` (the kernel in Pallas' interpreter, any backend: for
-  tests) or ``"xla"``. Both paths write the same codes, scales and
-  outliers. The kernel hashes each element's index in the whole array for
-  its random bits; under ``jax.shard_map`` use :func:`quantized_states`
-  with ``specs=``.
+  ``kernel`` picks the path:
+
+  * ``"auto"``: where the step is lowered for a CUDA GPU, the Pallas kernel
+    (blocks of at most 8192 elements); where it is lowered for the CPU on a
+    CPU host, the C++ kernel, built on first use with the machine's C++
+    compiler (if it cannot be built: a warning, and the XLA path); elsewhere
+    (a CPU computation on a GPU host included) the XLA path of
+    :func:`quantized_states`.
+  * ``"pallas"``: the Pallas (Triton) kernel, for CUDA GPUs.
+  * ``"cpu"``: the C++ kernel (raises here if it cannot be built).
+  * ``"interpret"``: the Pallas kernel in Pallas' interpreter, any backend
+    (for tests).
+  * ``"xla"``: the XLA path. A step exported with ``jax.export`` for the
+    CPU needs it, or the C++ kernel's custom call allowed
+    (``DisabledSafetyCheck.custom_call("jmp_lite_quantized_adam_cpu")``).
+
+  All paths write the same codes, scales and outliers, bit for bit (the
+  C++ kernel may differ by an ulp, or a code by one, where XLA:CPU runs
+  with flags that move its multiply-add contractions). The kernels hash
+  each element's index in the whole array for its random bits; under
+  ``jax.shard_map`` use :func:`quantized_states` with ``specs=``.
 
   Put :func:`stochastic_rounding` or :func:`kahan_summation` outside for
   half params, and a :func:`~jmp_lite.loss_scaled` guard outside too (a
@@ -289,7 +336,8 @@ def quantized_adam(
     scale_dtype: ``"float32"`` or ``"bfloat16"``.
     rounding: ``"stochastic"`` or ``"nearest"``.
     seed: the stochastic codes' seed.
-    kernel: ``"auto"``, ``"pallas"``, ``"interpret"`` or ``"xla"``.
+    kernel: ``"auto"``, ``"pallas"``, ``"cpu"``, ``"interpret"`` or
+      ``"xla"``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -300,6 +348,8 @@ def quantized_adam(
     ValueError: for an unknown ``kernel``, ``kernel="pallas"`` with blocks
       wider than 8192 elements, and whatever
       :func:`quantized_states` refuses.
+    RuntimeError: for ``kernel="cpu"`` where the C++ kernel cannot be
+      built (no compiler), with the reason.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -344,9 +394,15 @@ def quantized_adam(
         f"quantized_adam: the kernel takes blocks of at most {_WIDEST}"
         f" elements, got block_size={block_size}; use kernel='auto' (the"
         " XLA path for such blocks) or a smaller block_size")
+  if kernel == "cpu" and _cpu_kernel.unavailable():
+    raise RuntimeError(
+        "quantized_adam: kernel='cpu' needs the C++ kernel, which cannot be"
+        f" built here ({_cpu_kernel.unavailable()}); use kernel='auto' or"
+        " 'xla' (the XLA path)")
+  hyper = (float(learning_rate), float(b1), float(b2), float(eps))
 
   def fused(updates: Any, state: QuantizedStatesState, params: Any = None,
-            **extra: Any) -> tuple[Any, QuantizedStatesState]:
+            *, path: str, **extra: Any) -> tuple[Any, QuantizedStatesState]:
     given = updates
     # As quantized_states reads them.
     updates, params = unwrap_variables((updates, params))
@@ -355,6 +411,10 @@ def quantized_adam(
     # The configuration base's states record (no params needed for it).
     check_made_by(state.config, jax.eval_shape(base.init, {}).config,
                   "quantized_adam")
+    if path != "interpret" and (why := _kernels_take(updates, state)):
+      raise ValueError(
+          f"quantized_adam: kernel={path!r} cannot take this step ({why});"
+          " use kernel='auto' or 'xla'")
     adam_state, rest = state.inner_state
     flat = jax.tree.leaves(state.inner_state,
                            is_leaf=lambda x: isinstance(x, QuantizedArray))
@@ -366,11 +426,18 @@ def quantized_adam(
     key = step_key(state.seed, state.count)
     out_u, out_mu, out_nu = [], [], []
     for g, mu, nu in zip(g_leaves, mus, nus, strict=True):
-      if isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
+      if path == "cpu" and isinstance(mu, QuantizedArray) and isinstance(
+          nu, QuantizedArray):
+        u, mu, nu = _cpu_kernel.leaf_step(
+            g, mu, nu, _meta(mu, nu, adam_state.count, key,
+                             (index[id(mu)], index[id(nu)])),
+            adam_state.count, hyper=hyper,
+            stochastic=rounding == "stochastic")
+      elif isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
         u, mu, nu = _fused_leaf(
             g, mu, nu, adam_state.count, key, (index[id(mu)], index[id(nu)]),
             adam=adam, stochastic=rounding == "stochastic",
-            interpret=kernel == "interpret")
+            interpret=path == "interpret")
       else:   # Kept as inner made it (a scalar param): plain Adam.
         u, chained = adam.update(
             g.astype(F32), (optax.ScaleByAdamState(
@@ -392,20 +459,34 @@ def quantized_adam(
            **extra: Any) -> tuple[Any, QuantizedStatesState]:
     # Per lowering platform, not by the process's default backend: a CPU
     # computation on a GPU host takes the XLA path (a Triton kernel cannot
-    # lower for the CPU). Both write the same state.
+    # lower for the CPU, and the C++ kernel is built only on CPU hosts).
+    # All write the same state.
     xla = declared.rebind(adam.update)
+    branches = {}
+    if not _kernels_take(unwrap_variables(updates), state):
+      if fits:
+        branches["cuda"] = lambda u, s: fused(u, s, params, path="pallas",
+                                              **extra)
+      if jax.default_backend() == "cpu":
+        if why := _cpu_kernel.unavailable():
+          _warn_no_cpu_kernel(why)
+        else:
+          branches["cpu"] = lambda u, s: fused(u, s, params, path="cpu",
+                                               **extra)
+    if not branches:
+      return xla(updates, state, params, **extra)
     return jax.lax.platform_dependent(
-        updates, state,
-        cuda=lambda u, s: fused(u, s, params, **extra),
+        updates, state, **branches,
         default=lambda u, s: xla(u, s, params, **extra))
 
   def rebind(inner_update: contract.UpdateFn) -> contract.UpdateFn:
     # Adam's own update runs fused; another (a guard's rebinding) the XLA
     # path with it.
-    if inner_update is not adam.update or kernel == "xla" or (
-        kernel == "auto" and not fits):
+    if inner_update is not adam.update or kernel == "xla":
       return declared.rebind(inner_update)
-    return auto if kernel == "auto" else fused
+    if kernel == "auto":
+      return auto
+    return functools.partial(fused, path=kernel)
 
   return optax.GradientTransformationExtraArgs(
       base.init, contract.declare(rebind(adam.update), contract.Forwarding(
