@@ -56,14 +56,13 @@ def _assert_state_matches(want: Any, got: Any, kernel: str) -> None:
 
   Bit for bit from Pallas' interpreter, which XLA compiles as it compiles
   the XLA path. The C++ kernel computes each new moment once, as XLA:CPU's
-  default code generation computes it (bit for bit there); but XLA:CPU
-  contracts a moment's multiply-add into an FMA in some fusions and not in
-  others, depending on its emitters and flags (this suite's among them), so
-  the XLA path's own fusions may disagree by an ulp: a scale or outlier may
-  then differ by an ulp (more where the new moment cancels: 1e-6 relative
-  in the padding test) and a code a hair from a rounding threshold by one.
-  test_cpu_kernel_is_the_xla_path_bit_for_bit_at_default_flags holds it to
-  the XLA path bit for bit where XLA:CPU runs with its defaults.
+  optimized code does (one multiply-add each); but XLA:CPU contracts
+  multiply-adds in some fusions and not in others depending on its flags
+  (this suite's among them) and rewrites ``1 / sqrt`` as its own rsqrt, so
+  a scale or outlier may differ by an ulp (more where the new moment
+  cancels: 1e-6 relative in the padding test) and a code a hair from a
+  rounding threshold by one. test_cpu_kernel_agrees_with_the_xla_path_at_
+  default_flags bounds that at XLA's default flags.
   """
   is_q = lambda x: isinstance(x, QuantizedArray)
   assert jax.tree.structure(want) == jax.tree.structure(got)
@@ -503,32 +502,65 @@ def test_cpu_kernel_is_built_once_into_the_cache(kernel, tmp_path,
   assert [p.name for p in tmp_path.iterdir()] == [built.name]
 
 
+# Run in a fresh process that imports no test module: this suite's conftest
+# sets compile flags in XLA_FLAGS, and this compares at XLA's defaults.
 _DEFAULT_FLAGS_CHECK = """
-import numpy as np, jax
-from tests.test_fused_quantized import _run
+import os
+import numpy as np, jax, jax.numpy as jnp
+from jmp_lite.low_precision import QuantizedArray, quantized_adam
+assert not os.environ.get("XLA_FLAGS")
+SHAPES = {"w": (16, 256), "b": (70,), "c": (3, 5, 40), "big": (512, 1024)}
+def run(kernel, **kw):
+  opt = quantized_adam(1e-2, kernel=kernel, **kw)
+  rng = np.random.default_rng(0)
+  p = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+       for k, s in SHAPES.items()}
+  state, update = opt.init(p), jax.jit(opt.update)
+  for i in range(3):
+    r = np.random.default_rng(i + 1)
+    g = {k: jnp.asarray(r.standard_normal(s) * 10.0 ** (i - 1), jnp.float32)
+         for k, s in SHAPES.items()}
+    _, state = update(g, state, p)
+  return state
+is_q = lambda x: isinstance(x, QuantizedArray)
+differ = total = 0
 for kw in [dict(bits=8), dict(bits=4), dict(rounding="nearest",
            scale_dtype="bfloat16"), dict(block_size=512)]:
-  (_, want), (_, got) = _run("xla", **kw), _run("cpu", **kw)
-  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-    assert x.dtype == y.dtype, kw
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), str(kw))
-print("same")
+  kw = {"block_size": 64, **kw}
+  want, got = run("xla", **kw), run("cpu", **kw)
+  for x, y in zip(jax.tree.leaves(want, is_leaf=is_q),
+                  jax.tree.leaves(got, is_leaf=is_q), strict=True):
+    if not is_q(x):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      continue
+    a, b = (np.asarray(q.codes).astype(np.int32) for q in (x, y))
+    if x.bits == 4:
+      a, b = (np.stack([c & 15, c >> 4]) for c in (a, b))
+    assert np.abs(a - b).max() <= 1, kw
+    differ += int((a != b).sum())
+    total += a.size
+    for f in ("scales", "outliers"):
+      np.testing.assert_allclose(np.asarray(getattr(x, f), np.float32),
+                                 np.asarray(getattr(y, f), np.float32),
+                                 rtol=1e-6, err_msg=f"{kw} {f}")
+print(differ, total)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS[1:])
-def test_cpu_kernel_is_the_xla_path_bit_for_bit_at_default_flags(kernel):
-  # This suite compiles with flags that change where XLA:CPU contracts
-  # multiply-adds; a user's process has XLA's defaults, where the kernel
-  # writes the XLA path's codes, scales, outliers and indices bit for bit.
+def test_cpu_kernel_agrees_with_the_xla_path_at_default_flags(kernel):
+  # A user's process has XLA's default flags: there a code differs by one
+  # only where XLA's rsqrt or a contraction rounds a value a hair from a
+  # threshold the other way (measured: a few per million).
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
              PYTHONPATH=str(ROOT))
   done = subprocess.run([sys.executable, "-c", _DEFAULT_FLAGS_CHECK],
-                        env=env, cwd=ROOT, capture_output=True, text=True,
+                        env=env, cwd="/", capture_output=True, text=True,
                         timeout=600, check=False)
-  assert done.returncode == 0 and done.stdout.strip() == "same", (
-      done.stderr[-3000:])
+  assert done.returncode == 0, done.stderr[-3000:]
+  differ, total = map(int, done.stdout.split())
+  assert total > 4_000_000 and differ / total < 1e-5, (differ, total)
 
 
 @pytest.mark.parametrize("kernel", KERNELS[1:])
@@ -544,3 +576,27 @@ def test_cpu_kernel_refuses_arrays_that_do_not_fit_the_layout(kernel):
       state.inner_state[0]._replace(mu={"w": cut}), *state.inner_state[1:]))
   with pytest.raises(ValueError, match=r"a mu leaf's arrays .* do not fit"):
     jax.jit(opt.update)(params, state, params)
+
+
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS[1:]])
+def test_sharded_state_inside_shard_map(kernel):
+  # Params and state split along rows over the mesh axis: every operand and
+  # result varies over it, and "auto"'s branches must agree on that type.
+  # (Pallas' interpreter itself fails here, in its dynamic_slice: JAX's.)
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  params = {"w": jnp.asarray(np.random.default_rng(2).standard_normal(
+      (32, 128)), jnp.float32)}
+  opt = quantized_adam(1e-2, block_size=64, kernel=kernel)
+  state = opt.init(params)
+  spec = jax.tree.map(lambda x: P("data") if getattr(x, "ndim", 0) >= 2
+                      else P(), state)
+  mapped = jax.jit(jax.shard_map(
+      opt.update, mesh=mesh, in_specs=({"w": P("data")}, spec,
+                                       {"w": P("data")}),
+      out_specs=({"w": P("data")}, spec)))
+  got = mapped(params, state, params)
+  want = jax.jit(quantized_adam(1e-2, block_size=64, kernel="xla").update)(
+      params, state, params)
+  _assert_state_matches(want[1], got[1], kernel)
+  _assert_updates_match(want[0], got[0], kernel)

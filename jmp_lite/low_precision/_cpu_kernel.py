@@ -121,7 +121,9 @@ def _build() -> pathlib.Path:
     cmd = [cxx, *_FLAGS, *arch, "-I", include, str(_SOURCE), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode == 0:
-      # Atomic: processes building at once each write their own file.
+      # Readable by all (mkstemp made it private): a cache shared between
+      # users. Atomic: processes building at once each write their own file.
+      os.chmod(tmp, 0o755)
       os.replace(tmp, target)
       return target
     os.unlink(tmp)
@@ -222,17 +224,22 @@ def step(meta: jax.Array, coef: jax.Array, g: jax.Array,
   why = unavailable()
   if why:
     raise RuntimeError(f"quantized_adam: the CPU kernel is unavailable: {why}")
-  operands, varying = align_varying([meta, coef, g, *mu, *nu])
-  shapes = [jax.ShapeDtypeStruct(g.shape, jnp.float32, **varying)] + [
-      jax.ShapeDtypeStruct(x.shape, x.dtype, **varying) for x in (*mu, *nu)]
+  # Under shard_map every operand varies over the same mesh axes, and so do
+  # the results: ffi_call refuses them in its result shapes and types its
+  # results as varying over none, so they are cast after the call.
+  operands, _ = align_varying([meta, coef, g, *mu, *nu])
+  shapes = [jax.ShapeDtypeStruct(g.shape, jnp.float32)] + [
+      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*mu, *nu)]
   call = jax.ffi.ffi_call(
       TARGET, shapes, vmap_method="sequential",
       input_output_aliases={i: i - 2 for i in range(3, 11)})
   p_mu, p_nu, p_signed, p_unsigned = powers
-  return list(call(
+  results = call(
       *operands, rows=np.int64(rows), n=np.int64(n), r=np.int64(r),
       c=np.int64(c), bits=np.int32(bits), p_mu=np.int32(p_mu),
       p_nu=np.int32(p_nu), p_signed=np.int32(p_signed),
       p_unsigned=np.int32(p_unsigned), stochastic=bool(stochastic),
       omb1=np.float32(1 - b1), b1=np.float32(b1), omb2=np.float32(1 - b2),
-      b2=np.float32(b2), eps=np.float32(eps), neg_lr=np.float32(-lr)))
+      b2=np.float32(b2), eps=np.float32(eps), neg_lr=np.float32(-lr))
+  # The gradient operand varies over every axis any operand does.
+  return align_varying([operands[2], *results])[0][1:]

@@ -11,9 +11,10 @@ it takes :func:`quantized_states`' XLA path. All write the same codes,
 scales and outliers: the Pallas kernel (in Pallas' interpreter) bit for bit,
 except where a block's largest elements tie to within 2**-20 (it keeps the
 first of them as the outlier, the XLA path the largest as XLA computed it,
-which may differ by an ulp between equal inputs); the C++ kernel bit for
-bit under XLA:CPU's default flags (flags that move XLA's multiply-add
-contractions move an outlier or scale by an ulp, a code by one).
+which may differ by an ulp between equal inputs); the C++ kernel to within
+one code in a few elements per million, where a value sits within an ulp or
+two of a rounding threshold (XLA rewrites ``1 / sqrt`` and contracts
+multiply-adds as its flags say), and scales and outliers to an ulp.
 """
 
 from __future__ import annotations
@@ -316,9 +317,10 @@ def quantized_adam(
     CPU needs it, or the C++ kernel's custom call allowed
     (``DisabledSafetyCheck.custom_call("jmp_lite_quantized_adam_cpu")``).
 
-  All paths write the same codes, scales and outliers, bit for bit (the
-  C++ kernel may differ by an ulp, or a code by one, where XLA:CPU runs
-  with flags that move its multiply-add contractions). The kernels hash
+  All paths write the same codes, scales and outliers (the C++ kernel to
+  within one code in a few elements per million and an ulp in a scale,
+  where XLA's arithmetic rounds a value near a threshold the other way).
+  The kernels hash
   each element's index in the whole array for its random bits; under
   ``jax.shard_map`` use :func:`quantized_states` with ``specs=``.
 

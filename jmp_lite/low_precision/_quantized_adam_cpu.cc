@@ -7,15 +7,15 @@
 // once and written once (in place when donated). Blocks are split among
 // XLA's intra-op threads.
 //
-// Under XLA:CPU's default flags it writes what the XLA path
-// (jmp_lite/low_precision/_blockwise.py, quantize/dequantize around
-// optax.adam) writes, bit for bit, so the float operations below follow that
-// path's HLO as XLA:CPU compiles it: a division by a scalar is a product
-// with its reciprocal; the new moments are computed without contraction for
-// the block statistics and codes and with one fused multiply-add each for
-// the update (XLA:CPU contracts them in that fusion only); subnormals are
-// flushed to zero (XLA:CPU's threads run with FTZ and DAZ set; set here on
-// x86). jmp_lite/low_precision/_cpu_kernel.py builds, loads and calls it;
+// It writes what the XLA path (jmp_lite/low_precision/_blockwise.py,
+// quantize/dequantize around optax.adam) writes, its float operations
+// following that path's HLO as XLA:CPU's optimized code computes it: a
+// division by a scalar is a product with its reciprocal, each new moment one
+// fused multiply-add, subnormals flushed to zero (XLA:CPU's threads run with
+// FTZ and DAZ set; set here on x86). XLA also rewrites 1 / sqrt(s) as its
+// own rsqrt, and contracts differently under other flags, so a code a hair
+// from a rounding threshold may come out one apart (a few per million), and
+// a scale or outlier an ulp apart. jmp_lite/low_precision/_cpu_kernel.py builds, loads and calls it;
 // tests/test_fused_quantized.py holds it to the XLA path.
 
 #include <algorithm>
@@ -450,16 +450,12 @@ void RunBlocks(const Params& p, int64_t begin, int64_t end, Scratch& s) {
     Decode(p, p.nu, b, knu, nu, size);
     for (int64_t e = 0; e < size; ++e) {
       const float ge = g[e];
-      // optax: (1 - b1) * g + b1 * mu, (1 - b2) * g**2 + b2 * nu. The XLA
-      // path computes them once per fusion that reads them: its block
-      // statistics and codes without contraction, its update with one
-      // multiply-add each.
-      const float m = p.omb1 * ge + p.b1 * mu[e];
-      const float v = p.omb2 * (ge * ge) + p.b2 * nu[e];
-      const float mc = std::fma(p.omb1, ge, p.b1 * mu[e]);
-      const float vc = std::fma(p.omb2, ge * ge, p.b2 * nu[e]);
+      // optax: (1 - b1) * g + b1 * mu, (1 - b2) * g**2 + b2 * nu, each one
+      // multiply-add, as XLA:CPU's optimized code contracts them.
+      const float m = std::fma(p.omb1, ge, p.b1 * mu[e]);
+      const float v = std::fma(p.omb2, ge * ge, p.b2 * nu[e]);
       u[e] = p.neg_lr *
-             ((mc * p.inv_bc1) / (std::sqrt(vc * p.inv_bc2) + p.eps));
+             ((m * p.inv_bc1) / (std::sqrt(v * p.inv_bc2) + p.eps));
       mu[e] = m;
       nu[e] = v;
     }
