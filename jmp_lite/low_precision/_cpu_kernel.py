@@ -157,6 +157,15 @@ def unavailable() -> str:
     return _registered()[1]
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2), inline=True)
+def _bias_corrections(count: jax.Array, b1: float, b2: float) -> jax.Array:
+  """optax's bias corrections (1 - decay**count), computed as it computes
+  them: under an inlined jit, so that an eager step's float32 ``pow`` is
+  the jitted one too."""
+  count_inc = optax.safe_increment(count)
+  return jnp.stack([1 - b1**count_inc, 1 - b2**count_inc]).astype(F32)
+
+
 def leaf_step(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
               meta: jax.Array, count: jax.Array, *,
               hyper: tuple[float, float, float, float], stochastic: bool
@@ -182,9 +191,7 @@ def leaf_step(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
           f" where: {got}) do not fit a {tuple(g.shape)} gradient stored"
           f" with bits={mu.bits}, block_size={mu.block_size} (codes"
           f" {codes}, the rest {blocks})")
-  # optax's bias corrections, as it computes them (1 - decay**count).
-  count_inc = optax.safe_increment(count)
-  coef = jnp.stack([1 - b1**count_inc, 1 - b2**count_inc]).astype(F32)
+  coef = _bias_corrections(count, b1, b2)
   # As stored: a reshape of a donated buffer made XLA copy it first.
   side = lambda q: [q.codes, q.scales, q.outliers, q.where]
   out = step(meta, coef, g, side(mu), side(nu), rows=rows, n=shape[-1], r=r,
