@@ -114,6 +114,16 @@ def grid(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
   return -(-rows // r), -(-shape[-1] // c)
 
 
+def stored_shapes(shape: tuple[int, ...], bits: int, block_size: int
+                  ) -> tuple[tuple[int, ...], tuple[int, int]]:
+  """The shapes a leaf of ``shape`` is stored in: its codes' (two per byte
+  along the last axis for 4 bits), and its scales', outliers' and indices'
+  (:func:`grid`)."""
+  n = shape[-1]
+  codes = tuple(shape) if bits == 8 else (*shape[:-1], -(-n // 2))
+  return codes, grid(shape, block_size)
+
+
 def _blocks(y: jax.Array, block_size: int) -> jax.Array:
   """``y`` as ``(row groups, column blocks, r * c)``, zero-padded."""
   n = y.shape[-1]

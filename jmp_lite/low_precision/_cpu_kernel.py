@@ -35,10 +35,10 @@ import optax
 from jmp_lite._jaxpr import align_varying
 from jmp_lite.low_precision._blockwise import (
   form_of,
-  grid,
   layout,
   POWERS,
   QuantizedArray,
+  stored_shapes,
 )
 from jmp_lite.low_precision._common import F32
 
@@ -179,8 +179,7 @@ def leaf_step(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   shape = (*mu.codes.shape[:-1], mu.shape[-1])
   rows, r, c = layout(shape, mu.block_size)
   # The kernel indexes every array by this layout: refuse any other here.
-  codes = (*shape[:-1], shape[-1] if mu.bits == 8 else -(-shape[-1] // 2))
-  blocks = grid(shape, mu.block_size)
+  codes, blocks = stored_shapes(shape, mu.bits, mu.block_size)
   for name, q in (("mu", mu), ("nu", nu)):
     got = [tuple(np.shape(x)) for x in (q.codes, q.scales, q.outliers,
                                         q.where)]

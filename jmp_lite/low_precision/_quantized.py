@@ -25,10 +25,10 @@ from jmp_lite._nnx_paths import rewrap_like, unwrap_variables
 from jmp_lite.low_precision._blockwise import (
   bytes_per_element,
   dequantize,
-  grid,
   POWERS,
   quantize,
   QuantizedArray,
+  stored_shapes,
 )
 from jmp_lite.low_precision._common import (
   check_inner_structure,
@@ -380,10 +380,8 @@ def quantized_states(
   def check_layout(x: QuantizedArray) -> None:
     # Bits and block size decide the arrays' shapes: a leaf whose shapes
     # another configuration made is refused while tracing, before it is read.
-    n = x.shape[-1]
-    local = (*x.codes.shape[:-1], n)
-    want_codes = local if x.bits == 8 else (*local[:-1], -(-n // 2))
-    want = (want_codes, grid(local, x.block_size))
+    want = stored_shapes((*x.codes.shape[:-1], x.shape[-1]), x.bits,
+                         x.block_size)
     got = (tuple(x.codes.shape), tuple(x.scales.shape))
     if (x.bits, x.block_size) != (bits, block_size) or got != want:
       raise ValueError(
