@@ -33,7 +33,10 @@ KERNELS = ["interpret", pytest.param("cpu", marks=pytest.mark.skipif(
     bool(_cpu_kernel.unavailable()),
     reason=f"no C++ kernel here: {_cpu_kernel.unavailable()}"))]
 
-_SHAPES = {"w": (16, 256), "b": (70,), "c": (3, 5, 40), "s": ()}
+# Whole-row blocks, a short 1-D leaf, blocks of several short rows, a 3-D
+# leaf of rows longer than a block (its last block partial), a scalar.
+_SHAPES = {"w": (16, 256), "b": (70,), "c": (3, 5, 40), "h": (2, 3, 300),
+           "s": ()}
 
 
 def _params() -> dict[str, jax.Array]:

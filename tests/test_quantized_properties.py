@@ -72,9 +72,12 @@ def _check_round_trip(x: np.ndarray, bits: int, block_size: int,
   # Per block: the outlier is exact (inf and NaN too), nothing else is
   # non-finite unless it was, and every finite element is within one code
   # gap (in the companded domain) of itself, relative to the block's scale.
-  xb = np.asarray(_blocks(jnp.asarray(x), block_size))
-  bb = np.asarray(_blocks(jnp.asarray(back), block_size))
   scales = np.asarray(q.scales, np.float64)
+  # As stored: one row of blocks per scale.
+  xb = np.asarray(_blocks(jnp.asarray(x), block_size)).reshape(
+      *scales.shape, -1)
+  bb = np.asarray(_blocks(jnp.asarray(back), block_size)).reshape(
+      *scales.shape, -1)
   where = np.asarray(q.where, np.int64)
   for g, c in np.ndindex(*scales.shape):
     xs, bs, s = xb[g, c], bb[g, c], scales[g, c]

@@ -638,7 +638,11 @@ def test_sharded_codes_equal_the_unsharded_run():
   """Params split by rows on 4 devices, stepped under ``jax.shard_map``
   with ``specs=`` and under ``jax.jit`` with sharded inputs: params, codes
   and scales, gathered, equal the unsharded run's bit for bit at 8 and 4
-  bits; without specs the shards repeat shard 0's bits."""
+  bits; without specs the shards repeat shard 0's bits. Under explicit
+  mesh axes (``jax.set_mesh``), params split along rows, columns, a 1-D
+  bias and a 3-D weight's middle axis: the same equality, and the codes
+  keep the params' shardings (``quantized_adam``'s default kernel takes
+  the XLA path there)."""
   proc = subprocess.run(
       [sys.executable, "-W", "error",
        str(ROOT / "tests" / "multidevice" / "quantized_sharded.py")],
@@ -651,6 +655,9 @@ def test_sharded_codes_equal_the_unsharded_run():
       "ok shard_map 4 bits equals unsharded",
       "ok jit with sharded params 4 bits equals unsharded",
       "ok shard_map 8 bits without specs differs",
+      *(f"ok explicit axes {name} {bits} bits equals unsharded, codes"
+        " sharded like the params" for bits in (8, 4)
+        for name in ("quantized_states", "quantized_adam")),
       "ok preset O3 8 bits with specs equals unsharded",
   ], proc.stdout + proc.stderr
 

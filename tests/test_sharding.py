@@ -31,4 +31,5 @@ def test_every_device_skips_and_backs_off_together():
       "ok update_and_apply shard_map with axis_name",
       "ok shard_map check_vma: forgotten axis_name raises, given agrees",
       "ok accumulate_gradients axis_name under shard_map",
+      "ok explicit axes skip keeps shardings",
   ], proc.stdout + proc.stderr

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite.low_precision._common import F32
+from jmp_lite.low_precision._sharding import type_sharding
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -36,7 +37,11 @@ def outlier_and_scale(mag: jax.Array, raw: jax.Array
   as the largest, the first of equals wins, as ``argmax``), the ``raw``
   value there, and the largest magnitude of the other elements
   (:func:`_saturated`; 0 if none), in one variadic reduction."""
-  index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
+  # Sharded as ``mag`` is when its type says (explicit mesh axes): the
+  # reduction's index output takes this operand's sharding, and a
+  # replicated one made every device gather the indices.
+  index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1,
+                                   out_sharding=type_sharding(mag))
   # Magnitudes compared as their bits: for non-negative floats integer
   # order is float order, and a canonical NaN sits above inf. The reducer
   # then needs no NaN tests (it runs once per element: XLA:CPU runs a

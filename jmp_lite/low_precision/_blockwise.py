@@ -47,6 +47,7 @@ from jmp_lite import struct
 from jmp_lite._jaxpr import is_tracer
 from jmp_lite.low_precision._block_stats import outlier_and_scale
 from jmp_lite.low_precision._common import F32
+from jmp_lite.low_precision._sharding import reshape
 
 # Companding powers, per (bits, signed): measured, see the module docstring.
 POWERS = {(8, True): 2.0, (8, False): 3.0, (4, True): 2.0, (4, False): 2.0}
@@ -124,25 +125,63 @@ def stored_shapes(shape: tuple[int, ...], bits: int, block_size: int
   return codes, grid(shape, block_size)
 
 
+def block_grid(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+  """The blocks' grid as the computation lays it out: the leaf's leading
+  dimensions and its column blocks while a block lies in one row (the
+  leaf's sharding along any dimension then carries over to its blocks),
+  else (row groups, column blocks): :func:`grid`, what is stored."""
+  _, r, _ = layout(shape, block_size)
+  groups, col_blocks = grid(shape, block_size)
+  return (*shape[:-1], col_blocks) if r == 1 else (groups, col_blocks)
+
+
 def _blocks(y: jax.Array, block_size: int) -> jax.Array:
-  """``y`` as ``(row groups, column blocks, r * c)``, zero-padded."""
+  """``y`` as ``(*block_grid, r * c)``, zero-padded."""
   n = y.shape[-1]
   rows, r, c = layout(y.shape, block_size)
   groups, col_blocks = grid(y.shape, block_size)
-  y = jnp.pad(y.reshape(rows, n),
-              [(0, groups * r - rows), (0, col_blocks * c - n)])
-  return y.reshape(groups, r, col_blocks, c).transpose(0, 2, 1, 3).reshape(
-      groups, col_blocks, r * c)
+  if r == 1:
+    if col_blocks * c != n:
+      y = jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, col_blocks * c - n)])
+    return reshape(y, (*y.shape[:-1], col_blocks, c))
+  y = reshape(y, (rows, n))
+  pads = [(0, groups * r - rows), (0, col_blocks * c - n)]
+  if any(p for _, p in pads):
+    y = jnp.pad(y, pads)
+  y = reshape(y, (groups, r, col_blocks, c)).transpose(0, 2, 1, 3)
+  return reshape(y, (groups, col_blocks, r * c))
 
 
 def _unblock(blocks: jax.Array, shape: tuple[int, ...],
              block_size: int) -> jax.Array:
-  """The inverse of :func:`_blocks`: ``shape`` again, padding dropped."""
+  """The inverse of :func:`_blocks` (from blocks in any leading shape of
+  the same order): ``shape`` again, padding dropped."""
   n = shape[-1]
   rows, r, c = layout(shape, block_size)
-  groups, col_blocks = blocks.shape[:2]
-  y = blocks.reshape(groups, col_blocks, r, c).transpose(0, 2, 1, 3)
-  return y.reshape(groups * r, col_blocks * c)[:rows, :n].reshape(shape)
+  groups, col_blocks = grid(shape, block_size)
+  blocks = reshape(blocks, (*block_grid(shape, block_size), r * c))
+  if r == 1:
+    y = reshape(blocks, (*shape[:-1], col_blocks * c))
+    return y if col_blocks * c == n else y[..., :n]
+  y = reshape(blocks, (groups, col_blocks, r, c)).transpose(0, 2, 1, 3)
+  y = reshape(y, (groups * r, col_blocks * c))
+  if (groups * r, col_blocks * c) != (rows, n):
+    y = y[:rows, :n]
+  return reshape(y, shape)
+
+
+def stored(a: jax.Array, shape: tuple[int, ...], block_size: int
+           ) -> jax.Array:
+  """Per-block values laid out as :func:`block_grid` in their stored
+  shape, :func:`grid`."""
+  return reshape(a, grid(shape, block_size))
+
+
+def unstored(a: jax.Array, shape: tuple[int, ...], block_size: int
+             ) -> jax.Array:
+  """Stored per-block values (:func:`grid`) laid out as
+  :func:`block_grid`."""
+  return reshape(a, block_grid(shape, block_size))
 
 
 def where_dtype(block_size: int) -> np.dtype:
@@ -337,11 +376,14 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
     if n % 2:
       codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, 1)])
     pairs = jax.lax.bitcast_convert_type(
-        codes.reshape(*codes.shape[:-1], -1, 2), jnp.uint16)
+        reshape(codes, (*codes.shape[:-1], codes.shape[-1] // 2, 2)),
+        jnp.uint16)
     codes = ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).astype(jnp.uint8)
+  shape = tuple(y.shape)
   return QuantizedArray(
-      codes=codes, scales=scales, outliers=outliers,
-      where=where.astype(where_dtype(block_size)),
+      codes=codes, scales=stored(scales, shape, block_size),
+      outliers=stored(outliers, shape, block_size),
+      where=stored(where.astype(where_dtype(block_size)), shape, block_size),
       form=jnp.asarray(form_of(bits, block_size, signed)),
       shape=tuple(x.shape), dtype=np.dtype(x.dtype), bits=bits,
       block_size=block_size, signed=signed, power=power)
@@ -446,15 +488,21 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   n = shape[-1]
   codes = q.codes
   if q.bits == 4:
-    codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-        *codes.shape[:-1], -1)[..., :n]
+    codes = reshape(jnp.stack([codes & 0xF, codes >> 4], axis=-1),
+                    (*codes.shape[:-1], 2 * codes.shape[-1]))
+    if codes.shape[-1] != n:
+      codes = codes[..., :n]
   k = _blocks(codes.astype(F32), q.block_size)
   ok = check_form(q)
+  grid_of = lambda a: unstored(a, shape, q.block_size)
   y = decode_blocks(
-      k, q.scales.astype(F32)[..., None], bits=q.bits, signed=q.signed,
-      power=q.power, form_signed=None if q.form is None else q.form[2] == 1,
-      outliers=None if q.outliers is None else q.outliers.astype(F32),
-      where=None if q.where is None else q.where.astype(jnp.int32), ok=ok)
+      k, grid_of(q.scales.astype(F32))[..., None], bits=q.bits,
+      signed=q.signed, power=q.power,
+      form_signed=None if q.form is None else q.form[2] == 1,
+      outliers=None if q.outliers is None else grid_of(
+          q.outliers.astype(F32)),
+      where=None if q.where is None else grid_of(q.where.astype(jnp.int32)),
+      ok=ok)
   return _unblock(y, shape, q.block_size).astype(q.dtype)
 
 

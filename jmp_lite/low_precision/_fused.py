@@ -58,6 +58,7 @@ from jmp_lite.low_precision._quantized import (
   QuantizedStatesState,
 )
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
+from jmp_lite.low_precision._sharding import type_sharding
 
 _KERNELS = ("auto", "pallas", "cpu", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With
@@ -260,14 +261,24 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
 def _kernels_take(updates: Any, state: QuantizedStatesState) -> str:
   """Why the kernels cannot take this step ("" when they can): they read
   float32 and half gradients (and write float32 updates, as the XLA path
-  does for them) and the maps' integer powers."""
+  does for them) and the maps' integer powers, and run on whole arrays on
+  one device (or on the shards ``shard_map`` hands them), which leaves
+  sharded in their type (explicit mesh axes) are not."""
+  leaves = jax.tree.leaves(state.inner_state,
+                           is_leaf=lambda x: isinstance(x, QuantizedArray))
   for g in jax.tree.leaves(updates):
     if np.dtype(g.dtype) not in _cpu_kernel.GRAD_DTYPES:
       return f"gradients of dtype {np.dtype(g.dtype).name}"
-  for q in jax.tree.leaves(state.inner_state,
-                           is_leaf=lambda x: isinstance(x, QuantizedArray)):
+  for q in leaves:
     if isinstance(q, QuantizedArray) and q.power not in (1.0, 2.0, 3.0):
       return f"a map of power {q.power}"
+  # The XLA path keeps such shardings; a kernel call would need the arrays
+  # gathered (Pallas refuses them outright).
+  for x in (*jax.tree.leaves(updates), *jax.tree.leaves(leaves)):
+    if (sharding := type_sharding(x)) is not None:
+      return (f"an array of shape {tuple(x.shape)} sharded in its type"
+              f" ({sharding.spec}, explicit mesh axes); under jax.shard_map"
+              " each shard runs the kernel")
   return ""
 
 

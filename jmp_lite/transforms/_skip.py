@@ -64,9 +64,14 @@ def _minus_zero(shape: Any) -> Any:
   dtype = shape.dtype
   if dtype == jax.dtypes.float0:
     return np.zeros(shape.shape, dtype)
-  if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.full(shape.shape, -0.0, dtype)
-  return jnp.zeros(shape.shape, dtype)
+  # With the sharding the updates' type has (explicit mesh axes): the skip
+  # branch must return the step branch's types.
+  sharding = getattr(shape, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or all(e is None for e in spec):
+    sharding = None
+  fill = -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
+  return jax.lax.full(shape.shape, fill, dtype, sharding=sharding)
 
 
 def skipped_updates(inner: optax.GradientTransformation, grads: Any,

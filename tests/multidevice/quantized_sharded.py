@@ -184,6 +184,60 @@ def check_preset(bits):
   print(f"ok preset O3 {bits} bits with specs equals unsharded")
 
 
+# Under explicit mesh axes (jax.make_mesh's default, with jax.set_mesh) the
+# sharding is in each array's type: shapes split along every kind of axis,
+# each shard a whole number of blocks.
+EXPLICIT = {"cols": ((32, 1024), P(None, "data")),
+            "rows": ((32, 128), P("data", None)),
+            "bias": ((1024,), P("data")),
+            "heads": ((2, 8, 256), P(None, "data", None))}
+
+
+def check_explicit_sharded(bits):
+  shapes = {k: s for k, (s, _) in EXPLICIT.items()}
+  specs = {k: p for k, (_, p) in EXPLICIT.items()}
+  rng = np.random.default_rng(1)
+  params0 = {k: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+             for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.standard_normal(s) * 1e-2, jnp.bfloat16)
+            for k, s in shapes.items()} for _ in range(STEPS)]
+
+  def run(opt, m=None):
+    # Copies: the step donates its params.
+    put = (lambda t: jax.tree.map(jnp.copy, t)) if m is None else (
+        lambda t: jax.tree.map(
+            lambda x, s: jax.device_put(x, NamedSharding(m, s)), t, specs))
+    params = put(params0)
+    state = jax.jit(opt.init)(params)
+    step = jax.jit(step_fn(opt), donate_argnums=(0, 1))
+    for g in grads:
+      params, state = step(params, state, put(g))
+    return params, state
+
+  explicit = jax.make_mesh((4,), ("data",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+  for name, make in (
+      ("quantized_states", lambda: make_opt(bits)),
+      ("quantized_adam", lambda: jmp_lite.low_precision.quantized_adam(
+          1e-3, bits=bits, kernel="xla"))):
+    reference = run(make())
+    with jax.set_mesh(explicit):
+      # quantized_adam's default kernel takes the XLA path here.
+      opt = make() if name == "quantized_states" else (
+          jmp_lite.low_precision.quantized_adam(1e-3, bits=bits))
+      params, state = run(opt, explicit)
+    chex.assert_trees_all_equal(jax.device_get((params, state)),
+                                jax.device_get(reference))
+    # Each moment's codes are split as its param is: no device holds all.
+    mu = (adam_state(state) if name == "quantized_states"
+          else state.inner_state[0]).mu
+    for k, spec in specs.items():
+      assert mu[k].codes.sharding.spec == spec, (name, k, mu[k].codes.sharding)
+      assert params[k].sharding.spec == spec, (name, k, params[k].sharding)
+    print(f"ok explicit axes {name} {bits} bits equals unsharded, codes"
+          " sharded like the params")
+
+
 def main():
   assert jax.device_count() == 4, jax.devices()
   references = {bits: unsharded_run(bits) for bits in (8, 4)}
@@ -191,6 +245,8 @@ def main():
     check_shard_map(bits, references[bits])
     check_jit_sharded(bits, references[bits])
   check_shard_map_without_specs_differs(8, references[8])
+  for bits in (8, 4):
+    check_explicit_sharded(bits)
   check_preset(8)
 
 

@@ -317,6 +317,44 @@ def check_accumulate_gradients_agree_under_shard_map():
   print("ok accumulate_gradients axis_name under shard_map")
 
 
+def check_explicit_axes_skip_keeps_shardings():
+  """Under explicit mesh axes (jax.set_mesh) a guard over an optimizer whose
+  updates differ from the gradients in dtype (float32 state for bfloat16
+  params): the skipped branch's -0.0 updates failed the step branch's
+  sharded types. A bad step now skips, a good one steps, shardings kept."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  specs = {"w": P("data", "model"), "v": P("model", None)}
+  opt = jmp_lite.loss_scaled(
+      jmp_lite.state_dtypes(optax.adam(1e-2), "float32"),
+      jmp_lite.DynamicLossScale(2.0**10))
+
+  def step(params, state, grads):
+    # optax's own protocol (update_and_apply's own path skips otherwise).
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    params = jax.tree.map(
+        lambda x, s: jax.device_put(x.astype(jnp.bfloat16),
+                                    NamedSharding(mesh, s)),
+        init_params(), specs)
+    state = opt.init(params)
+    step = jax.jit(step)
+    good = jax.tree.map(lambda x: x * 1e-2, params)
+    bad = {"w": good["w"] * jnp.inf, "v": good["v"]}
+    kept, state = step(params, state, bad)
+    chex.assert_trees_all_equal(jax.device_get(kept),
+                                jax.device_get(params))
+    assert int(state.total_skips) == 1
+    moved, state = step(kept, state, good)
+    assert not np.array_equal(np.asarray(moved["w"]), np.asarray(kept["w"]))
+    for k, spec in specs.items():
+      assert moved[k].sharding.spec == spec, (k, moved[k].sharding)
+      assert state.inner_state.inner_state[0].mu[k].sharding.spec == spec
+  print("ok explicit axes skip keeps shardings")
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   check_data_parallel()
@@ -329,3 +367,4 @@ if __name__ == "__main__":
   check_update_and_apply_shard_map()
   check_forgotten_axis_name_is_an_error()
   check_accumulate_gradients_agree_under_shard_map()
+  check_explicit_axes_skip_keeps_shardings()
