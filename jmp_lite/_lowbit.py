@@ -1,6 +1,7 @@
 """What the FP8 and FP4 packages share: exact powers of two, MX (E8M0)
-scale exponents, padding to whole blocks, and the checks of a
-``dot_general``'s arguments (private; imports only JAX and numpy)."""
+scale exponents, padding to whole blocks, the checks of a
+``dot_general``'s arguments and running their matmuls on operands sharded
+in their types (private; imports only JAX, numpy and ``_jaxpr``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_lite._jaxpr import type_sharding
 
 # E8M0's exponent range (its 0xFF encoding is NaN).
 E8M0_MIN, E8M0_MAX = -127, 127
@@ -176,3 +179,60 @@ def check_like_lax(lhs: jax.Array, rhs: jax.Array, dims: DimensionNumbers,
   except (TypeError, ValueError) as e:
     raise type(e)(f"{who} dot_general: {e} (lhs shape {lhs.shape}, rhs shape"
                   f" {rhs.shape}, dimension_numbers {dims})") from None
+
+
+def on_auto_axes(fn: Any, args: tuple[Any, ...], out_sharding: Any) -> Any:
+  """``fn(*args)``; where an argument's type is sharded (explicit mesh
+  axes, under ``jax.set_mesh``), run with the mesh's axes as auto axes
+  (XLA's sharding propagation, as under plain ``jit``), the result sharded
+  as ``out_sharding`` says (a sharding or spec, or a pytree of them).
+
+  The block-scaled formats reshape, pad and contract their operands in ways
+  explicit axes would make every caller spell out; their values do not
+  depend on the sharding.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._lowbit import on_auto_axes
+    >>> on_auto_axes(jnp.sum, (jnp.ones(3),), None).tolist()
+    3.0
+  """
+  if all(type_sharding(a) is None for a in jax.tree.leaves(args)):
+    return fn(*args)
+  run: Any = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+  return run(*args)
+
+
+def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
+                    dims: DimensionNumbers, out_dtype: Any,
+                    out_sharding: Any, *extra: Any) -> jax.Array:
+  """``matmul(lhs, rhs, *extra)``, sharded as ``jax.lax.dot_general`` shards
+  it. ``extra``: more arrays the matmul reads (a PRNG key), passed as
+  arguments: an array closed over keeps its explicit type inside.
+
+  Where an operand's type is sharded (explicit mesh axes), the matmul runs
+  on auto axes (:func:`on_auto_axes`; the gradient matmuls contract
+  sharded dimensions, which explicit axes refuse), and its result takes
+  ``out_sharding`` or else the sharding ``dot_general`` gives these
+  operands (JAX's own error where that is ambiguous: pass
+  ``out_sharding``, as ``dot_general`` asks). Elsewhere it is a plain call,
+  resharded to ``out_sharding`` if given.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._lowbit import under_auto_axes
+    >>> dims = (((1,), (0,)), ((), ()))
+    >>> under_auto_axes(jnp.matmul, jnp.ones((2, 3)), jnp.ones((3, 4)),
+    ...                 dims, jnp.float32, None).shape
+    (2, 4)
+  """
+  if type_sharding(lhs) is None and type_sharding(rhs) is None:
+    out = matmul(lhs, rhs, *extra)
+    return out if out_sharding is None else jax.sharding.reshard(
+        out, out_sharding)
+  if out_sharding is None:
+    out_sharding = jax.eval_shape(
+        functools.partial(jax.lax.dot_general, dimension_numbers=dims,
+                          preferred_element_type=out_dtype), lhs, rhs
+    ).sharding
+  return on_auto_axes(matmul, (lhs, rhs, *extra), out_sharding)

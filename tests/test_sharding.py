@@ -33,3 +33,23 @@ def test_every_device_skips_and_backs_off_together():
       "ok accumulate_gradients axis_name under shard_map",
       "ok explicit axes skip keeps shardings",
   ], proc.stdout + proc.stderr
+
+
+def test_fp8_and_fp4_under_explicit_mesh_axes():
+  """Under ``jax.set_mesh`` with explicit axes (``jax.make_mesh``'s
+  default): per-tensor, row, block and MX FP8 and both FP4 matmuls, with a
+  data-parallel batch and a column-split weight and with a weight split
+  along its contraction, give the unsharded values and gradients, sharded as
+  the plain matmul's result and the operands are; so do autocast's FP8/FP4
+  gradients, ``fp4.quantize_dequantize`` and both health reports."""
+  proc = subprocess.run(
+      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
+                                           "lowbit_explicit.py")],
+      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(8),
+      timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert proc.stdout.splitlines() == [
+      "ok fp8 and fp4 matmuls under explicit axes",
+      "ok autocast fp8 grads under explicit axes",
+      "ok fp8 and fp4 quantizers and health under explicit axes",
+  ], proc.stdout + proc.stderr

@@ -12,7 +12,7 @@ never by version number. Tested on jax 0.10.2 and 0.12.0.1.
 Modules, one concept each:
 
 * ``args`` — which argument leaves are traced (:func:`split_array_args`),
-  :func:`is_tracer`;
+  :func:`is_tracer`, shardings in types (:func:`type_sharding`);
 * ``depends`` — which outputs are computed from the inputs' values
   (:func:`depends_on_inputs`);
 * ``names`` — name stacks, scope names, source locations;
@@ -29,6 +29,7 @@ from jmp_lite._jaxpr.args import (
   align_varying,
   is_tracer,
   split_array_args,
+  type_sharding,
   varying_axes,
 )
 from jmp_lite._jaxpr.depends import depends_on_inputs
@@ -86,5 +87,6 @@ __all__ = [
     "name_stack_of", "new_eqn", "new_var", "operand_dtype_names",
     "primitives_by_name", "rebuilt", "rewrite", "scope_names",
     "source_location", "split_array_args", "sub_context", "trace",
-    "trace_flat", "traced_call", "varying_axes", "walk", "with_operands",
+    "trace_flat", "traced_call", "type_sharding", "varying_axes", "walk",
+    "with_operands",
 ]

@@ -115,6 +115,38 @@ def varying_axes(x: Any) -> frozenset[str]:
   return frozenset(vma or ())
 
 
+def type_sharding(x: Any) -> Any:
+  """``x``'s sharding when its type names a sharded mesh axis (explicit
+  axes, under ``jax.set_mesh``), else None: outside a mesh, for replicated
+  values, under classic ``jit`` sharding propagation (auto axes, which types
+  do not carry) and inside ``shard_map``.
+
+  Args:
+    x: any value, or an abstract value (a jaxpr variable's ``aval``).
+
+  Returns:
+    A ``jax.sharding.NamedSharding`` or None.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._jaxpr import type_sharding
+    >>> type_sharding(jnp.ones(3)) is None
+    True
+  """
+  aval = x
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    try:
+      aval = jax.typeof(x)
+    except TypeError:
+      return None
+  sharding: Any = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True) or all(
+      e is None for e in getattr(sharding, "spec", ())):
+    return None
+  return sharding
+
+
 def align_varying(arrays: Sequence[jax.Array]
                   ) -> tuple[list[jax.Array], dict[str, Any]]:
   """``arrays`` made to vary over the union of their ``shard_map`` mesh

@@ -17,7 +17,8 @@ from jmp_lite import _jaxpr
 
 def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
              rhs_shape: tuple[int, ...], dtype: np.dtype, dims: Any,
-             delayed: bool) -> Any:
+             delayed: bool, shardings: tuple[Any, Any] = (None, None)
+             ) -> Any:
   """A traced ``jit`` equation computing one FP8 matmul on these types.
 
   Args:
@@ -28,6 +29,9 @@ def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
     dims: ``dot_general`` dimension numbers.
     delayed: whether the call takes a delayed-scaling state's ``history``
       and ``pending`` arrays after the operands.
+    shardings: the operands' shardings where their types have one
+      (explicit mesh axes), else None: the call is traced on those types, so
+      that its gradients come back sharded as the operands are.
 
   Returns:
     The equation (a template for :class:`jmp_lite._jaxpr.Plan`).
@@ -47,8 +51,7 @@ def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
     # No key in autocast: FP4's deterministic backward pass.
     return _jaxpr.traced_call(
         lambda a, b: fp4.dot_general(recipe)(a, b, dims),
-        [jax.ShapeDtypeStruct(lhs_shape, dtype),
-         jax.ShapeDtypeStruct(rhs_shape, dtype)])
+        _operands(lhs_shape, rhs_shape, dtype, shardings))
   if not delayed and isinstance(recipe, fp8.DelayedScaling):
     # A matmul without a state of its own: the same formats, just in time.
     recipe = fp8.CurrentScaling(recipe.fwd_dtype, recipe.bwd_dtype,
@@ -59,12 +62,19 @@ def fp8_call(recipe: Any, lhs_shape: tuple[int, ...],
     return fp8.dot_general(recipe, state)(xs[0], xs[1], dims)
 
   n = len(fp8.ScalingState.__dataclass_fields__)
-  avals = [jax.ShapeDtypeStruct(lhs_shape, dtype),
-           jax.ShapeDtypeStruct(rhs_shape, dtype)]
+  avals = _operands(lhs_shape, rhs_shape, dtype, shardings)
   if delayed:
     avals += [jax.ShapeDtypeStruct((3, recipe.history), np.float32),
               jax.ShapeDtypeStruct((3,), np.float32)][:n]
   return _jaxpr.traced_call(run, avals)
+
+
+def _operands(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+              dtype: np.dtype, shardings: tuple[Any, Any]
+              ) -> list[jax.ShapeDtypeStruct]:
+  return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+          for shape, sharding in zip((lhs_shape, rhs_shape), shardings,
+                                     strict=True)]
 
 
 def fp8_state_leaves(fp8_state: Any) -> list[Any]:

@@ -161,11 +161,15 @@ class AutocastRetyper(_jaxpr.Rewriter):
         delayed = False
     dims = ops.params["dimension_numbers"]
     lhs, rhs = ops.avals
-    key = (lhs.shape, rhs.shape, dims, bool(state))
+    # Shardings in the operands' types (explicit mesh axes) are part of
+    # them: the call's gradients must come back with them.
+    shardings = (_jaxpr.type_sharding(lhs), _jaxpr.type_sharding(rhs))
+    key = (lhs.shape, rhs.shape, dims, bool(state), shardings)
     template = self.fp8_calls.get(key)
     if template is None:
       template = self.fp8_calls[key] = fp8_call(
-          cfg.fp8, lhs.shape, rhs.shape, cfg.compute, dims, bool(state))
+          cfg.fp8, lhs.shape, rhs.shape, cfg.compute, dims, bool(state),
+          shardings)
     fmt = np.dtype(cfg.fp8.fwd_dtype)
     return _jaxpr.Plan("fp8-delayed" if delayed else "fp8", cfg.compute,
                        call=template, extra=state, logged_inputs=(fmt, fmt))

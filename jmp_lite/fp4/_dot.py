@@ -38,7 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._jaxpr import varying_axes
-from jmp_lite._lowbit import check_like_lax, floating, normalize_dims
+from jmp_lite._lowbit import (
+  check_like_lax,
+  floating,
+  normalize_dims,
+  under_auto_axes,
+)
 from jmp_lite.fp4._quantize import (
   as_key,
   hadamard_signs,
@@ -283,8 +288,19 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
       out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
-    (lc, rc), (lb, rb) = dims = normalize_dims(dimension_numbers)
+    dims = normalize_dims(dimension_numbers)
     check_like_lax(lhs, rhs, dims, None, preferred_element_type, who="fp4")
+    if key is None:
+      return under_auto_axes(
+          lambda a, b: _dot(a, b, None, dims, out_dtype), lhs, rhs, dims,
+          out_dtype, out_sharding)
+    return under_auto_axes(
+        lambda a, b, k: _dot(a, b, k, dims, out_dtype), lhs, rhs, dims,
+        out_dtype, out_sharding, key)
+
+  def _dot(lhs: jax.Array, rhs: jax.Array, key: Any, dims: Any,
+           out_dtype: np.dtype) -> jax.Array:
+    (lc, rc), (lb, rb) = dims
     l_free = tuple(d for d in range(lhs.ndim) if d not in (*lc, *lb))
     r_free = tuple(d for d in range(rhs.ndim) if d not in (*rc, *rb))
     batch = tuple(lhs.shape[d] for d in lb)
@@ -299,14 +315,10 @@ def dot_general(recipe: Recipe, key: Any = None) -> Callable[..., jax.Array]:
       # An empty batch (an expert given no tokens) or contraction: nothing
       # to quantize (the blocks have no rows), the product is zeros.
       return jax.lax.dot_general(
-          lhs, rhs, dims, preferred_element_type=out_dtype,
-          out_sharding=out_sharding).astype(out_dtype)
+          lhs, rhs, dims, preferred_element_type=out_dtype).astype(out_dtype)
     plan = _Plan(fwd, dgrad, wgrad, out_dtype, native_fp4())
     out = cast(jax.Array, _canonical(x, w, key, plan))
-    out = out.reshape(*batch, *m_shape, *n_shape)
-    if out_sharding is not None:
-      out = jax.sharding.reshard(out, out_sharding)
-    return out
+    return out.reshape(*batch, *m_shape, *n_shape)
 
   return fp4_dot_general
 

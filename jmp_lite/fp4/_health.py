@@ -11,6 +11,7 @@ import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
+from jmp_lite._lowbit import on_auto_axes
 from jmp_lite.fp4._quantize import dequantize, quantize_blocks
 from jmp_lite.fp4._recipes import check_recipe, PerDirection, ROLES
 
@@ -128,7 +129,9 @@ def quantization_health(tree: Any, recipe: Any, *, role: str = "weight",
   def leaf(x: Any) -> Any:
     if not _dtypes.is_floating_array(x):
       return None
-    return _leaf(jnp.asarray(x), fmt, tiles, where)
+    # Scalars out, replicated, also under explicit mesh axes.
+    return on_auto_axes(lambda x: _leaf(x, fmt, tiles, where),
+                        (jnp.asarray(x),), jax.sharding.PartitionSpec())
 
   stats = jax.tree.map(leaf, tree)
   is_stat = lambda s: isinstance(s, FP4Health)

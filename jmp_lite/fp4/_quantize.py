@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._lowbit import E8M0_MAX, mx_exponent, pad_to, pow2
+from jmp_lite._lowbit import E8M0_MAX, mx_exponent, on_auto_axes, pad_to, pow2
 from jmp_lite.fp4._recipes import E2M1, Format, MXFP4, NVFP4, ROLES
 
 __all__ = ["quantize_dequantize"]
@@ -288,10 +288,16 @@ def quantize_dequantize(x: jax.typing.ArrayLike, recipe: Format, *,
                      " is always rounded to nearest even")
   if not recipe.stochastic_gradients:
     key = None
-  wide = x.reshape(1) if x.ndim == 0 else x
-  moved = jnp.moveaxis(wide, axis, -1)
-  c = moved.shape[-1]
   tiles = role == "weight" and recipe.weight_blocks is not None
-  t = quantize_blocks(moved.reshape(1, -1, c), recipe, tiles=tiles, key=key)
-  out = dequantize(t, c).reshape(moved.shape)
-  return jnp.moveaxis(out, -1, axis).reshape(x.shape).astype(x.dtype)
+
+  def run(x: jax.Array) -> jax.Array:
+    wide = x.reshape(1) if x.ndim == 0 else x
+    moved = jnp.moveaxis(wide, axis, -1)
+    c = moved.shape[-1]
+    t = quantize_blocks(moved.reshape(1, -1, c), recipe, tiles=tiles,
+                        key=key)
+    out = dequantize(t, c).reshape(moved.shape)
+    return jnp.moveaxis(out, -1, axis).reshape(x.shape).astype(x.dtype)
+
+  # Sharded as x is, also under explicit mesh axes.
+  return on_auto_axes(run, (x,), jax.typeof(x).sharding)

@@ -41,6 +41,7 @@ from jmp_lite._lowbit import (
   DimensionNumbers,
   floating,
   normalize_dims,
+  under_auto_axes,
 )
 from jmp_lite.fp8._blocked import fine_dot
 from jmp_lite.fp8._matmul import descale, fp8_matmul, like_primal
@@ -314,10 +315,9 @@ def dot_general(recipe: CurrentScaling | DelayedScaling | MXFP8,
     else:
       out_dtype = np.dtype(jnp.dtype(preferred_element_type))
     if fine:
-      out = fine_dot(lhs, rhs, dims, recipe, out_dtype)
-      if out_sharding is not None:
-        out = jax.sharding.reshard(out, out_sharding)
-      return out
+      return under_auto_axes(
+          lambda a, b: fine_dot(a, b, dims, recipe, out_dtype), lhs, rhs,
+          dims, out_dtype, out_sharding)
     assert not isinstance(recipe, MXFP8)
     st = _Static(dims=dims,
                  fwd_dtype=recipe.fwd_dtype, bwd_dtype=recipe.bwd_dtype,

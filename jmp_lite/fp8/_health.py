@@ -12,6 +12,7 @@ import numpy as np
 
 from jmp_lite import dtypes as _dtypes
 from jmp_lite import struct
+from jmp_lite._lowbit import on_auto_axes
 from jmp_lite.fp8._blocked import Layout, quantize_blocks
 from jmp_lite.fp8._quantize import amax_of, cast_saturating, scale_for
 from jmp_lite.fp8._recipes import (
@@ -241,9 +242,13 @@ def quantization_health(tree: Any, dtype: Any = None, *,
   def leaf(x: Any, given: Any) -> Any:
     if not _dtypes.is_floating_array(x):
       return None
-    stats = (_per_tensor(x, given, dtype, margin) if layout is None
-             else _blocked(x, layout, where))
-    return (amax_of(x), *stats)
+    def run(x: jax.Array, given: Any) -> tuple[jax.Array, ...]:
+      stats = (_per_tensor(x, given, dtype, margin) if layout is None
+               else _blocked(x, layout, where))
+      return (amax_of(x), *stats)
+
+    # Scalars out, replicated, also under explicit mesh axes.
+    return on_auto_axes(run, (x, given), jax.sharding.PartitionSpec())
 
   one_for_all = amax is None or isinstance(amax, numbers.Real) or (
       isinstance(amax, (np.ndarray, np.generic, jax.Array))

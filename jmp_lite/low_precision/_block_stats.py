@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import type_sharding
 from jmp_lite.low_precision._common import F32
-from jmp_lite.low_precision._sharding import type_sharding
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 

@@ -47,7 +47,7 @@ from jmp_lite import struct
 from jmp_lite._jaxpr import is_tracer
 from jmp_lite.low_precision._block_stats import outlier_and_scale
 from jmp_lite.low_precision._common import F32
-from jmp_lite.low_precision._sharding import reshape
+from jmp_lite.low_precision._reshape import reshape
 
 # Companding powers, per (bits, signed): measured, see the module docstring.
 POWERS = {(8, True): 2.0, (8, False): 3.0, (4, True): 2.0, (4, False): 2.0}

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jmp_lite import contract
 from jmp_lite._checks import check_own_state
-from jmp_lite._jaxpr import align_varying
+from jmp_lite._jaxpr import align_varying, type_sharding
 from jmp_lite._nnx_paths import rewrap_like, unwrap_variables
 from jmp_lite.low_precision import _cpu_kernel
 from jmp_lite.low_precision._block_stats import outlier_and_scale_max
@@ -58,7 +58,6 @@ from jmp_lite.low_precision._quantized import (
   QuantizedStatesState,
 )
 from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
-from jmp_lite.low_precision._sharding import type_sharding
 
 _KERNELS = ("auto", "pallas", "cpu", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With

@@ -1,5 +1,4 @@
-"""Shardings in the type (explicit mesh axes): reading them, and reshapes
-of state arrays that keep them.
+"""Reshapes of state arrays that keep the shardings in their types.
 
 Under ``jax.set_mesh`` with ``Explicit`` mesh axes (what ``jax.make_mesh``
 gives by default), a sharded array's sharding is part of its type, and JAX
@@ -20,23 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-
-def type_sharding(x: jax.Array) -> Any:
-  """``x``'s sharding when its type names a sharded mesh axis (explicit
-  axes, under ``jax.set_mesh``), else None.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite.low_precision._sharding import type_sharding
-    >>> type_sharding(jnp.ones(3)) is None
-    True
-  """
-  sharding: Any = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True) or all(
-      e is None for e in sharding.spec):
-    return None
-  return sharding
+from jmp_lite._jaxpr import type_sharding
 
 
 def _parts(mesh: Any, entry: Any) -> int:
@@ -80,7 +63,7 @@ def reshaped_spec(old: tuple[int, ...], new: tuple[int, ...],
 
   Example:
     >>> import jax
-    >>> from jmp_lite.low_precision._sharding import reshaped_spec
+    >>> from jmp_lite.low_precision._reshape import reshaped_spec
     >>> mesh = jax.sharding.AbstractMesh((4,), ("x",))
     >>> reshaped_spec((64, 4096), (64, 16, 256), (None, "x"), mesh)
     (None, 'x', None)
@@ -106,7 +89,7 @@ def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite.low_precision._sharding import reshape
+    >>> from jmp_lite.low_precision._reshape import reshape
     >>> reshape(jnp.arange(6), (2, 3)).shape
     (2, 3)
   """
