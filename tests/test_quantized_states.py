@@ -712,3 +712,16 @@ def test_nnx_optimizer_steps_under_nnx_jit(make):
   mu = opt.opt_state.inner_state.inner_state[0].mu["kernel"]
   assert isinstance(mu, QuantizedArray) and mu.bits == 8
   assert mu.codes[...].dtype == jnp.uint8
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_jitted_init_quantizes_at_run_time_not_by_constant_folding(bits):
+  # Adam's zero moments do not depend on the params' values, so XLA
+  # constant-folded their quantization (its block reduction) on its slow
+  # evaluator: jit(init) of 5M params took 73 s to compile. The compiled
+  # init must still compute the blocks' statistics.
+  params = {"w": jnp.ones((64, 512), jnp.bfloat16)}
+  opt = jmp_lite.quantized_states(optax.adam(1e-3), bits=bits)
+  hlo = jax.jit(opt.init).lower(params).compile().as_text()
+  assert " reduce(" in hlo, hlo[:2000]
+  chex.assert_trees_all_equal(jax.jit(opt.init)(params), opt.init(params))

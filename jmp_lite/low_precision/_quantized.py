@@ -329,6 +329,10 @@ def quantized_states(
             and not copy and mirrors_a_param(path, tuple(x.shape), params)):
       return x
     signed = not unsigned_leaf(tree, path, unsigned)
+    # Adam's zeros do not depend on the params' values: under jax.jit, XLA
+    # constant-folded their quantization on its slow evaluator (73 s to
+    # compile the init of 5M params). Behind a barrier it runs as one pass.
+    x = jax.lax.optimization_barrier(x)
     return quantize(x, bits=bits, block_size=block_size, signed=signed,
                     power=POWERS[(bits, signed)], scale_dtype=scale_dtype)
 
