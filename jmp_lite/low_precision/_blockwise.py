@@ -47,7 +47,7 @@ from jmp_lite import struct
 from jmp_lite._jaxpr import is_tracer
 from jmp_lite.low_precision._block_stats import outlier_and_scale
 from jmp_lite.low_precision._common import F32
-from jmp_lite.low_precision._reshape import reshape
+from jmp_lite.low_precision._reshape import reshape, sharded_like
 
 # Companding powers, per (bits, signed): measured, see the module docstring.
 POWERS = {(8, True): 2.0, (8, False): 3.0, (4, True): 2.0, (4, False): 2.0}
@@ -168,20 +168,6 @@ def _unblock(blocks: jax.Array, shape: tuple[int, ...],
   if (groups * r, col_blocks * c) != (rows, n):
     y = y[:rows, :n]
   return reshape(y, shape)
-
-
-def stored(a: jax.Array, shape: tuple[int, ...], block_size: int
-           ) -> jax.Array:
-  """Per-block values laid out as :func:`block_grid` in their stored
-  shape, :func:`grid`."""
-  return reshape(a, grid(shape, block_size))
-
-
-def unstored(a: jax.Array, shape: tuple[int, ...], block_size: int
-             ) -> jax.Array:
-  """Stored per-block values (:func:`grid`) laid out as
-  :func:`block_grid`."""
-  return reshape(a, block_grid(shape, block_size))
 
 
 def where_dtype(block_size: int) -> np.dtype:
@@ -379,11 +365,12 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
         reshape(codes, (*codes.shape[:-1], codes.shape[-1] // 2, 2)),
         jnp.uint16)
     codes = ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).astype(jnp.uint8)
-  shape = tuple(y.shape)
+  codes = sharded_like(codes, x)
+  # Per-block values from the blocks' grid to their stored shape.
+  keep = lambda a: reshape(a, grid(y.shape, block_size))  # noqa: E731
   return QuantizedArray(
-      codes=codes, scales=stored(scales, shape, block_size),
-      outliers=stored(outliers, shape, block_size),
-      where=stored(where.astype(where_dtype(block_size)), shape, block_size),
+      codes=codes, scales=keep(scales), outliers=keep(outliers),
+      where=keep(where.astype(where_dtype(block_size))),
       form=jnp.asarray(form_of(bits, block_size, signed)),
       shape=tuple(x.shape), dtype=np.dtype(x.dtype), bits=bits,
       block_size=block_size, signed=signed, power=power)
@@ -494,7 +481,7 @@ def dequantize(q: QuantizedArray) -> jax.Array:
       codes = codes[..., :n]
   k = _blocks(codes.astype(F32), q.block_size)
   ok = check_form(q)
-  grid_of = lambda a: unstored(a, shape, q.block_size)
+  grid_of = lambda a: reshape(a, block_grid(shape, q.block_size))  # noqa: E731
   y = decode_blocks(
       k, grid_of(q.scales.astype(F32))[..., None], bits=q.bits,
       signed=q.signed, power=q.power,
@@ -503,7 +490,8 @@ def dequantize(q: QuantizedArray) -> jax.Array:
           q.outliers.astype(F32)),
       where=None if q.where is None else grid_of(q.where.astype(jnp.int32)),
       ok=ok)
-  return _unblock(y, shape, q.block_size).astype(q.dtype)
+  return sharded_like(_unblock(y, shape, q.block_size), q.codes).astype(
+      q.dtype)
 
 
 def bytes_per_element(bits: int, block_size: int,

@@ -102,3 +102,32 @@ def reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
       *reshaped_spec(tuple(x.shape), shape, spec, mesh)))
   return jax.lax.reshape(x, shape, out_sharding=out)
+
+
+def sharded_like(y: jax.Array, x: jax.Array) -> jax.Array:
+  """``y`` resharded to ``x``'s type sharding, dimension by dimension where
+  ``y``'s size divides into the same shards (a dimension that does not is
+  left unsharded); ``y`` itself where ``x``'s type has none.
+
+  Codes computed from blocks that span devices come out of
+  :func:`reshape` replicated; stored, they take their param's sharding
+  (from a replicated array, a local slice).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.low_precision._reshape import sharded_like
+    >>> sharded_like(jnp.ones(2), jnp.zeros(4)).shape
+    (2,)
+  """
+  sharding = type_sharding(x)
+  if sharding is None or y.ndim != x.ndim:
+    return y
+  mesh = sharding.mesh
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  spec = tuple(e if e is None or y.shape[d] % _parts(mesh, e) == 0 else None
+               for d, e in enumerate(spec))
+  current = type_sharding(y)
+  have = (() if current is None else tuple(current.spec))
+  if have + (None,) * (y.ndim - len(have)) == spec:
+    return y
+  return jax.sharding.reshard(y, jax.sharding.PartitionSpec(*spec))
