@@ -197,7 +197,10 @@ def on_auto_axes(fn: Any, args: tuple[Any, ...], out_sharding: Any) -> Any:
     >>> on_auto_axes(jnp.sum, (jnp.ones(3),), None).tolist()
     3.0
   """
-  if all(type_sharding(a) is None for a in jax.tree.leaves(args)):
+  # Inside shard_map (manual axes, all or some) the explicit axes left
+  # cannot be made auto: there the call runs as written.
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+  if manual or all(type_sharding(a) is None for a in jax.tree.leaves(args)):
     return fn(*args)
   run: Any = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
   return run(*args)
@@ -215,8 +218,9 @@ def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
   sharded dimensions, which explicit axes refuse), and its result takes
   ``out_sharding`` or else the sharding ``dot_general`` gives these
   operands (JAX's own error where that is ambiguous: pass
-  ``out_sharding``, as ``dot_general`` asks). Elsewhere it is a plain call,
-  resharded to ``out_sharding`` if given.
+  ``out_sharding``, as ``dot_general`` asks). Elsewhere (inside
+  ``shard_map`` too) it is a plain call, resharded to ``out_sharding`` if
+  given.
 
   Example:
     >>> import jax.numpy as jnp
@@ -226,7 +230,8 @@ def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
     ...                 dims, jnp.float32, None).shape
     (2, 4)
   """
-  if type_sharding(lhs) is None and type_sharding(rhs) is None:
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+  if manual or (type_sharding(lhs) is None and type_sharding(rhs) is None):
     out = matmul(lhs, rhs, *extra)
     return out if out_sharding is None else jax.sharding.reshard(
         out, out_sharding)

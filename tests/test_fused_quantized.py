@@ -334,8 +334,9 @@ def test_kernel_lowers_for_a_gpu(bits, rounding, scale_dtype):
   # One kernel per quantized leaf (the scalar stays plain Adam), with the
   # kernel's own launch settings (not Pallas' defaults) though this host
   # is not a GPU.
-  assert module.count("xla.gpu.triton") == 3
-  assert module.count("num_warps = 8 : i32") == 3
+  quantized = sum(len(s) > 0 for s in _SHAPES.values())
+  assert module.count("xla.gpu.triton") == quantized
+  assert module.count("num_warps = 8 : i32") == quantized
 
 
 @pytest.mark.skipif(jax.__version_info__ < (0, 11),

@@ -41,7 +41,8 @@ def test_fp8_and_fp4_under_explicit_mesh_axes():
   data-parallel batch and a column-split weight and with a weight split
   along its contraction, give the unsharded values and gradients, sharded as
   the plain matmul's result and the operands are; so do autocast's FP8/FP4
-  gradients, ``fp4.quantize_dequantize`` and both health reports."""
+  gradients, ``fp4.quantize_dequantize`` and both health reports. Inside a
+  ``shard_map`` over one axis of two, they run as written."""
   proc = subprocess.run(
       [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
                                            "lowbit_explicit.py")],
@@ -52,4 +53,5 @@ def test_fp8_and_fp4_under_explicit_mesh_axes():
       "ok fp8 and fp4 matmuls under explicit axes",
       "ok autocast fp8 grads under explicit axes",
       "ok fp8 and fp4 quantizers and health under explicit axes",
+      "ok fp8 and fp4 inside a partial shard_map",
   ], proc.stdout + proc.stderr

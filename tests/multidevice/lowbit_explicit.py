@@ -143,8 +143,43 @@ def check_quantizers_and_health():
   print("ok fp8 and fp4 quantizers and health under explicit axes")
 
 
+def check_partial_shard_map():
+  """Inside ``jax.shard_map`` over one axis ("x" manual) with the other
+  still explicit ("y", splitting the weight): the matmuls and quantizers
+  run as written (explicit axes cannot become auto under manual ones).
+  ("block" and NVFP4 do not run there: a scan carry's and ``jnp.repeat``'s
+  explicit sharding rules.)"""
+  m = mesh()
+  x0, w0 = operands()
+  for name in ("fp8 row", "mxfp8", "mxfp4"):
+    dot = RECIPES[name]()
+    want = jax.jit(lambda x, w, dot=dot: dot(x, w, DIMS))(x0, w0)
+    with jax.set_mesh(m):
+      x = jax.device_put(x0, NamedSharding(m, P("x", None)))
+      w = jax.device_put(w0, NamedSharding(m, P(None, "y")))
+      step = jax.jit(jax.shard_map(
+          lambda x, w, dot=dot: dot(x, w, DIMS), in_specs=(P("x", None), P()),
+          out_specs=P("x", None), axis_names={"x"}))
+      got = step(x, w)
+      qdq = jax.jit(jax.shard_map(
+          lambda w: fp4.quantize_dequantize(w, fp4.MXFP4()), in_specs=P(),
+          out_specs=P(), axis_names={"x"}))(w)
+    # Each shard's rows have the whole rows' scales: the unsharded values.
+    close(got, want)
+    # The row recipe's ops all have explicit sharding rules: its result
+    # keeps the weight's "y" split.
+    assert spec(got)[0] == "x", (name, got.sharding)
+    if name == "fp8 row":
+      assert spec(got) == ("x", "y"), (name, got.sharding)
+    chex.assert_trees_all_equal(
+        jax.device_get(qdq),
+        jax.device_get(fp4.quantize_dequantize(w0, fp4.MXFP4())))
+  print("ok fp8 and fp4 inside a partial shard_map")
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   check_matmuls()
   check_autocast()
   check_quantizers_and_health()
+  check_partial_shard_map()
