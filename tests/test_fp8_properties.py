@@ -186,6 +186,21 @@ def test_block_round_trip_is_within_the_format_per_block_deep(data, kind,
   _blocks_round_trip(data, kind, fmt, bs)
 
 
+@pytest.mark.parametrize("kind", ["row", "vector", "square"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_jitted_scales_of_blocks_near_float32s_largest(kind, fmt):
+  # Found by the deep property test: jitted, a "square" block of amax
+  # 1.4e38 got the scale floor 2**-126 (de-scale 274x too large): XLA:CPU
+  # took fmax / amax as fmax * (1 / amax), a flushed subnormal.
+  x = jnp.asarray([[[-1.38715435e38], [-1.07792002e38]]], jnp.float32)
+  _, inv = jax.jit(lambda x: quantize_blocks(x, Layout(kind, fmt, 0, 2)))(x)
+  amax = np.abs(np.asarray(x, np.float64))[0]
+  if kind == "square":
+    amax = np.full_like(amax, amax.max())
+  np.testing.assert_allclose(np.asarray(inv, np.float64)[0],
+                             amax / _fmax(fmt), rtol=1e-6)
+
+
 # ------------------------------------------------------------------ the dots
 
 RECIPES = ["tensor", "row", "block", "mx", "mx-floor"]

@@ -39,7 +39,14 @@ def scale_for(amax: jax.Array, dtype: np.dtype, margin: int) -> jax.Array:
   amax = jnp.asarray(amax, _F32)
   one = np.float32(1)
   usable = (amax > 0) & jnp.isfinite(amax)
-  scale = jnp.where(usable, fmax / jnp.where(usable, amax, one), one)
+  # XLA:CPU computes fmax / amax as fmax * (1 / amax), and 1 / amax is a
+  # subnormal (flushed to 0) for an amax above 2**126: the scale fell to
+  # its floor, 274x too small at amax 1.4e38. Both scaled by 2**-64 there
+  # (exactly), the reciprocal stays normal.
+  big = amax > np.float32(2.0**64)
+  shrink = jnp.where(big, np.float32(2.0**-64), one)
+  scale = jnp.where(usable, (fmax * shrink) / jnp.where(
+      usable, amax * shrink, one), one)
   return jax.lax.clamp(np.float32(_MIN_SCALE), scale, np.float32(_MAX_SCALE))
 
 
