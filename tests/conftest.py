@@ -6,6 +6,8 @@ import contextlib
 import importlib.metadata
 import os
 import pathlib
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -84,6 +86,20 @@ def multidevice_env(devices: int) -> dict[str, str]:
       flags, f"--xla_force_host_platform_device_count={devices}"]))
   return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=flags,
               JAX_PLATFORMS="cpu")
+
+
+def run_multidevice(script: str, devices: int, timeout: int = 600
+                    ) -> subprocess.CompletedProcess[str]:
+  """Runs ``tests/<script>`` in a subprocess that sees
+  ``devices`` CPU devices (:func:`multidevice_env`), warnings as errors;
+  fails the calling test, with the script's output, unless it exits 0."""
+  proc = subprocess.run(
+      [sys.executable, "-W", "error",
+       str(ROOT / "tests" / script)],
+      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(devices),
+      timeout=timeout)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite.distributed import device_bytes, init_sharded, state_shardings
-from tests.conftest import multidevice_env, ROOT
+from tests.conftest import multidevice_env, ROOT, run_multidevice
 
 WORKER = ROOT / "tests" / "multiprocess" / "worker.py"
 TIMEOUT = 300  # seconds for a whole multi-process run
@@ -55,12 +55,7 @@ def test_device_bytes_counts_each_device_once_per_array():
 
 
 def test_on_four_devices():
-  proc = subprocess.run(
-      [sys.executable, "-W", "error",
-       str(ROOT / "tests" / "multiprocess" / "one_process.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(4),
-      timeout=TIMEOUT)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multiprocess/one_process.py", 4, timeout=TIMEOUT)
   assert proc.stdout.splitlines() == [
       "ok init_sharded Auto",
       "ok init_sharded Explicit",
@@ -74,12 +69,8 @@ def test_quantized_states_whose_blocks_span_devices_are_made_sharded():
   """init_sharded and state_shardings raised JAX's ShardingTypeError for
   quantized_states(adam) when a row-sharded param's last axis was shorter
   than a block (tests/multidevice/distributed_quantized.py, 8 devices)."""
-  proc = subprocess.run(
-      [sys.executable, "-W", "error",
-       str(ROOT / "tests" / "multidevice" / "distributed_quantized.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(8),
-      timeout=TIMEOUT)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/distributed_quantized.py", 8,
+                         timeout=TIMEOUT)
   assert proc.stdout.splitlines() == [
       "ok Explicit 8 bits", "ok Explicit 4 bits", "ok Auto 8 bits",
   ], proc.stdout + proc.stderr

@@ -10,23 +10,15 @@ gradient summed over the shards.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import pytest
 
 from jmp_lite import fp4
-from tests.conftest import multidevice_env, ROOT
+from tests.conftest import run_multidevice
 
 
 def test_all_gather_moves_fp4_and_reduce_scatters_in_float32():
-  proc = subprocess.run(
-      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
-                                           "fp4_gather.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(4),
-      timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/fp4_gather.py", 4)
   lines = proc.stdout.splitlines()
   assert lines[:6] == [f"ok {n} axis {a}" for n in ("nvfp4", "nvfp4-1d",
                                                    "mxfp4") for a in (0, 1)]

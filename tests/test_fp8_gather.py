@@ -8,23 +8,15 @@ quantise-dequantise of the global tensor, for every granularity.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import pytest
 
 from jmp_lite import fp8
-from tests.conftest import multidevice_env, ROOT
+from tests.conftest import run_multidevice
 
 
 def test_all_gather_moves_fp8_and_reduce_scatters_in_float32():
-  proc = subprocess.run(
-      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
-                                           "fp8_gather.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(4),
-      timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/fp8_gather.py", 4)
   assert proc.stdout.splitlines() == [
       "ok tensor", "ok row", "ok block", "ok mx",
       "ok bfloat16 params, float32 reduce-scatter",

@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import pickle
 import re
-import subprocess
-import sys
 import warnings
 from typing import Any
 
@@ -22,8 +20,7 @@ from tests.conftest import (
   as_xla_gpu_simplifies,
   assert_dtype,
   AUTO_KIND,
-  multidevice_env,
-  ROOT,
+  run_multidevice,
 )
 
 HALF = [jnp.bfloat16, jnp.float16]
@@ -1082,12 +1079,7 @@ def test_state_never_holds_the_params_buffers():
 
 
 def test_sharded_runs_match_the_unsharded_run():
-  env = multidevice_env(8)
-  proc = subprocess.run(
-      [sys.executable, "-W", "error",
-       str(ROOT / "tests" / "multidevice" / "low_precision_sharded.py")],
-      capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/low_precision_sharded.py", 8)
   assert proc.stdout.splitlines() == [
       "ok init buffers keep the params' sharding",
       "ok jit with sharded params equals unsharded",

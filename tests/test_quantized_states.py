@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 from typing import Any
 
 import chex
@@ -26,7 +24,7 @@ from jmp_lite.low_precision._quantized import (
   dequantize,
   quantize,
 )
-from tests.conftest import AUTO_KIND, multidevice_env, ROOT
+from tests.conftest import AUTO_KIND, run_multidevice
 
 tree_bytes = jmp_lite.diagnostics.tree_bytes
 
@@ -643,12 +641,7 @@ def test_sharded_codes_equal_the_unsharded_run():
   bias and a 3-D weight's middle axis: the same equality, and the codes
   keep the params' shardings (``quantized_adam``'s default kernel takes
   the XLA path there)."""
-  proc = subprocess.run(
-      [sys.executable, "-W", "error",
-       str(ROOT / "tests" / "multidevice" / "quantized_sharded.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(4),
-      timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/quantized_sharded.py", 4)
   assert proc.stdout.splitlines() == [
       "ok shard_map 8 bits equals unsharded",
       "ok jit with sharded params 8 bits equals unsharded",

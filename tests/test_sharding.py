@@ -6,19 +6,11 @@ starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.conftest import multidevice_env, ROOT
+from tests.conftest import run_multidevice
 
 
 def test_every_device_skips_and_backs_off_together():
-  env = multidevice_env(8)
-  proc = subprocess.run(
-      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
-                                           "sharded_skip.py")],
-      capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/sharded_skip.py", 8)
   lines = proc.stdout.splitlines()
   assert lines == [
       "ok data-parallel jit",
@@ -43,12 +35,7 @@ def test_fp8_and_fp4_under_explicit_mesh_axes():
   the plain matmul's result and the operands are; so do autocast's FP8/FP4
   gradients, ``fp4.quantize_dequantize`` and both health reports. Inside a
   ``shard_map`` over one axis of two, they run as written."""
-  proc = subprocess.run(
-      [sys.executable, "-W", "error", str(ROOT / "tests" / "multidevice" /
-                                           "lowbit_explicit.py")],
-      capture_output=True, text=True, cwd=ROOT, env=multidevice_env(8),
-      timeout=600)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run_multidevice("multidevice/lowbit_explicit.py", 8)
   assert proc.stdout.splitlines() == [
       "ok fp8 and fp4 matmuls under explicit axes",
       "ok autocast fp8 grads under explicit axes",
