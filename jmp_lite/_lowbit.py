@@ -197,13 +197,19 @@ def on_auto_axes(fn: Any, args: tuple[Any, ...], out_sharding: Any) -> Any:
     >>> on_auto_axes(jnp.sum, (jnp.ones(3),), None).tolist()
     3.0
   """
-  # Inside shard_map (manual axes, all or some) the explicit axes left
-  # cannot be made auto: there the call runs as written.
-  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-  if manual or all(type_sharding(a) is None for a in jax.tree.leaves(args)):
+  if not _explicit(args):
     return fn(*args)
   run: Any = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
   return run(*args)
+
+
+def _explicit(args: Any) -> bool:
+  """Whether an array of ``args`` is sharded in its type, outside
+  ``shard_map``: inside it (manual axes, all or some) the explicit axes
+  left cannot be made auto, and calls run as written."""
+  if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+    return False
+  return any(type_sharding(a) is not None for a in jax.tree.leaves(args))
 
 
 def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
@@ -214,7 +220,7 @@ def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
   arguments: an array closed over keeps its explicit type inside.
 
   Where an operand's type is sharded (explicit mesh axes), the matmul runs
-  on auto axes (:func:`on_auto_axes`; the gradient matmuls contract
+  on auto axes (as :func:`on_auto_axes`; the gradient matmuls contract
   sharded dimensions, which explicit axes refuse), and its result takes
   ``out_sharding`` or else the sharding ``dot_general`` gives these
   operands (JAX's own error where that is ambiguous: pass
@@ -230,8 +236,7 @@ def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
     ...                 dims, jnp.float32, None).shape
     (2, 4)
   """
-  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-  if manual or (type_sharding(lhs) is None and type_sharding(rhs) is None):
+  if not _explicit((lhs, rhs)):
     out = matmul(lhs, rhs, *extra)
     return out if out_sharding is None else jax.sharding.reshard(
         out, out_sharding)
@@ -240,4 +245,5 @@ def under_auto_axes(matmul: Any, lhs: jax.Array, rhs: jax.Array,
         functools.partial(jax.lax.dot_general, dimension_numbers=dims,
                           preferred_element_type=out_dtype), lhs, rhs
     ).sharding
-  return on_auto_axes(matmul, (lhs, rhs, *extra), out_sharding)
+  run: Any = jax.sharding.auto_axes(matmul, out_sharding=out_sharding)
+  return run(lhs, rhs, *extra)

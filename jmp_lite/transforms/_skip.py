@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite import _optax, contract
+from jmp_lite import _jaxpr, _optax, contract
 from jmp_lite._checks import listing
 from jmp_lite._skipping import reduce_finite, skip_updates
 from jmp_lite.finite import all_finite, select_tree
@@ -66,12 +66,9 @@ def _minus_zero(shape: Any) -> Any:
     return np.zeros(shape.shape, dtype)
   # With the sharding the updates' type has (explicit mesh axes): the skip
   # branch must return the step branch's types.
-  sharding = getattr(shape, "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec is None or all(e is None for e in spec):
-    sharding = None
   fill = -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
-  return jax.lax.full(shape.shape, fill, dtype, sharding=sharding)
+  return jax.lax.full(shape.shape, fill, dtype,
+                      sharding=_jaxpr.type_sharding(shape))
 
 
 def skipped_updates(inner: optax.GradientTransformation, grads: Any,
