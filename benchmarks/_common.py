@@ -38,6 +38,76 @@ def bytes_accessed(compiled: Any) -> float:
   return float(cost["bytes accessed"])
 
 
+# Primitives whose jaxpr is counted inline (their body is the computation).
+_INLINED = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+            "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"}
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+  out = []
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(v, "jaxpr") and hasattr(v, "consts"):   # ClosedJaxpr
+        out.append(v.jaxpr)
+      elif hasattr(v, "eqns"):                           # Jaxpr
+        out.append(v)
+  return out
+
+
+def op_flops(fn: Callable, *args: Any,
+             cache: dict[Any, tuple[float, float]] | None = None
+             ) -> tuple[float, float]:
+  """(flops, transcendentals) of ``fn(*args)`` by XLA's cost model, each
+  operation of its jaxpr compiled and counted alone: once, however XLA
+  fuses or recomputes it (XLA:CPU recomputes a producer in each fusion that
+  reads it; a kernel computes each value once). A ``cond`` counts its
+  costliest branch. ``cache`` (equation signature -> cost) spares
+  recompiling equal equations across calls."""
+  cache = {} if cache is None else cache
+
+  def one(eqn: Any) -> tuple[float, float]:
+    literal = [getattr(v, "val", None) if type(v).__name__ == "Literal"
+               else None for v in eqn.invars]
+    avals = [v.aval for v in eqn.invars]
+    # Literal values are in the key: XLA simplifies x * 1 away.
+    key = (str(eqn.primitive), repr(sorted(
+        (k, str(v)) for k, v in eqn.params.items())),
+           tuple((a.shape, str(a.dtype)) for a in avals),
+           tuple(repr(x) for x in literal))
+    if key not in cache:
+      specs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+               for a, x in zip(avals, literal, strict=True) if x is None]
+
+      def alone(*xs: Any) -> Any:
+        it = iter(xs)
+        return eqn.primitive.bind(
+            *[x if x is not None else next(it) for x in literal],
+            **eqn.params)
+
+      c = jax.jit(alone).lower(*specs).compile().cost_analysis()
+      c = c[0] if isinstance(c, list) else c
+      cache[key] = (float(c.get("flops", 0.0)),
+                    float(c.get("transcendentals", 0.0)))
+    return cache[key]
+
+  def walk(jaxpr: Any) -> tuple[float, float]:
+    flops = trans = 0.0
+    for eqn in jaxpr.eqns:
+      name = str(eqn.primitive)
+      subs = _sub_jaxprs(eqn)
+      if name in _INLINED and subs:
+        f, t = walk(subs[0])
+      elif name == "cond" and subs:
+        f, t = max(walk(b) for b in subs)
+      else:
+        f, t = one(eqn)
+      flops += f
+      trans += t
+    return flops, trans
+
+  return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
 def peak_bytes(compiled: Any) -> int:
   """Peak device memory of a compiled step, from ``memory_analysis()``.
 

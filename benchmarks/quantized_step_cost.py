@@ -13,6 +13,12 @@ For bfloat16 params of a Flax MLP (default 4 x 1024, batch 256), compares
   their bytes are added as the sizes of the calls' operands and results
   (the kernels read each once and write each once), and their flops are
   not counted (such rows are marked "+ kernel");
+* the step's operations per parameter, each counted once by XLA's cost
+  model (``_common.op_flops``: what a kernel that computes each value once
+  performs, where the compiled flops above count what XLA:CPU recomputes
+  in each fusion that reads a value). A kernel row counts the operations of
+  its ``kernel="xla"`` twin, which the kernels compute (the tests hold them
+  to its codes, scales and outliers);
 * the wall time of that optimizer step alone and of the full donated train
   step (forward, backward, update), each timed interleaved with the
   baseline's.
@@ -41,7 +47,7 @@ import numpy as np
 import optax
 
 import jmp_lite
-from _common import interleaved_seconds, mlp, size_parser
+from _common import interleaved_seconds, mlp, op_flops, size_parser
 from jmp_lite.low_precision import _cpu_kernel
 
 SCALE = 2.0**15
@@ -103,27 +109,29 @@ def fusions(hlo: str) -> int:
 
 
 def variants(lr: float, xla_path: bool
-             ) -> dict[str, tuple[str, bool, Callable]]:
-  """name -> (baseline name, through update_and_apply, optimizer factory)."""
+             ) -> dict[str, tuple[str, bool, Callable, Callable | None]]:
+  """name -> (baseline name, through update_and_apply, optimizer factory,
+  the factory whose operations are counted: ``None`` for the same)."""
   sr, qs = jmp_lite.stochastic_rounding, jmp_lite.quantized_states
   adam = lambda: optax.adam(lr)
   # The baseline's moments are bfloat16 (pure bfloat16 Adam): deliberate.
   scaled = lambda inner, half=False: jmp_lite.loss_scaled(
       inner, jmp_lite.DynamicLossScale(SCALE), allow_half_state=half)
-  out = {
-      "SR(adam)": ("SR(adam)", False, lambda: sr(adam())),
+  out: dict[str, tuple[str, bool, Callable, Callable | None]] = {
+      "SR(adam)": ("SR(adam)", False, lambda: sr(adam()), None),
       "SR(quantized_states(adam, 8))": (
-          "SR(adam)", False, lambda: sr(qs(adam(), bits=8))),
+          "SR(adam)", False, lambda: sr(qs(adam(), bits=8)), None),
       "SR(quantized_states(adam, 4))": (
-          "SR(adam)", False, lambda: sr(qs(adam(), bits=4))),
+          "SR(adam)", False, lambda: sr(qs(adam(), bits=4)), None),
       "UAA SR(loss_scaled(adam))": (
-          "UAA SR(loss_scaled(adam))", True, lambda: sr(scaled(adam(), True))),
+          "UAA SR(loss_scaled(adam))", True, lambda: sr(scaled(adam(), True)),
+          None),
       "UAA SR(quantized_states(loss_scaled(adam), 8))": (
           "UAA SR(loss_scaled(adam))", True,
-          lambda: sr(qs(scaled(adam()), bits=8))),
+          lambda: sr(qs(scaled(adam()), bits=8)), None),
       "UAA SR(quantized_states(loss_scaled(adam), 4))": (
           "UAA SR(loss_scaled(adam))", True,
-          lambda: sr(qs(scaled(adam()), bits=4))),
+          lambda: sr(qs(scaled(adam()), bits=4)), None),
   }
   qa = jmp_lite.low_precision.quantized_adam
   kernels = ["auto", "xla"] if xla_path else ["auto"]
@@ -133,10 +141,12 @@ def variants(lr: float, xla_path: bool
       out[f"SR(quantized_adam({bits}{tag}))"] = (
           "SR(adam)", False,
           lambda bits=bits, kernel=kernel: sr(qa(lr, bits=bits,
-                                                 kernel=kernel)))
+                                                 kernel=kernel)),
+          lambda bits=bits: sr(qa(lr, bits=bits, kernel="xla")))
     out[f"UAA SR(loss_scaled(quantized_adam(8{tag})))"] = (
         "UAA SR(loss_scaled(adam))", True,
-        lambda kernel=kernel: sr(scaled(qa(lr, bits=8, kernel=kernel))))
+        lambda kernel=kernel: sr(scaled(qa(lr, bits=8, kernel=kernel))),
+        lambda: sr(scaled(qa(lr, bits=8, kernel="xla"))))
   return out
 
 
@@ -166,23 +176,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f" {args.rounds} interleaved rounds of {args.steps} steps; ratios to"
         " the row's baseline in this run.\n")
   print("| optimizer | opt step bytes/param | ratio | opt step flops/param |"
-        " ratio | fusions (opt step) | opt step ms | ratio | full step ms |"
-        " ratio |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        flush=True)
+        " ratio | ops/param, each once | ratio | fusions (opt step) |"
+        " opt step ms | ratio | full step ms | ratio |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        " --- |", flush=True)
 
   built: dict[str, dict[str, Any]] = {}
+  op_cache: dict[Any, tuple[float, float]] = {}
 
-  def build(name: str, uaa: bool, make: Callable) -> dict[str, Any]:
-    opt = make()
-    scale = SCALE if uaa else 1.0
-
+  def stepper(opt: Any, uaa: bool) -> Callable:
     def apply(state, grads):
       params, opt_state = state
       if uaa:
         return jmp_lite.update_and_apply(opt, grads, opt_state, params)
       updates, opt_state = opt.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
+    return apply
+
+  def build(name: str, uaa: bool, make: Callable,
+            counted: Callable | None) -> dict[str, Any]:
+    opt = make()
+    scale = SCALE if uaa else 1.0
+    apply = stepper(opt, uaa)
 
     def loss(p, x, y):
       return jnp.mean((model.apply(p, x) - y) ** 2) * scale
@@ -200,13 +215,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
       safe = "".join(c if c.isalnum() else "_" for c in name)
       (args.dump / f"qcost_{safe}.hlo.txt").write_text(hlo)
     nbytes, flops, kernel = cost(compiled)
+    twin = opt if counted is None else counted()
+    ops, _ = op_flops(stepper(twin, uaa), (params, twin.init(params)), grads,
+                      cache=op_cache)
     # The optimizer step alone (update + apply, donated) on its own copy.
     own = jax.tree.map(lambda p: p.copy(), params0)
     opt_state = jax.block_until_ready(compiled((own, opt.init(own)), grads))
     full = jax.jit(step, donate_argnums=0)
     state = jax.block_until_ready(full(full(state, x, y), x, y))
     return {"bytes": nbytes / n_params, "flops": flops / n_params,
-            "kernel": kernel,
+            "ops": ops / n_params, "kernel": kernel,
             "fusions": fusions(hlo), "step": lambda s: full(s, x, y),
             "state": state, "opt": lambda s: compiled(s, grads),
             "opt_state": opt_state}
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             or any(s in n for s in args.only.split(";"))]
   # A baseline runs where a chosen row needs it, and first.
   needed = {table[n][0] for n in chosen}
-  for name, (base, uaa, make) in table.items():
+  for name, (base, uaa, make, counted) in table.items():
     if name not in chosen and name not in needed:
       continue
     if time.perf_counter() - start > args.budget:
@@ -225,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             flush=True)
       continue
     try:
-      built[name] = build(name, uaa, make)
+      built[name] = build(name, uaa, make, counted)
     except Exception as e:  # noqa: BLE001 (a kernel that fails to lower)
       print(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |",
             flush=True)
@@ -251,13 +269,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     row = {"optimizer": name, "bytes": r["bytes"], "kernel": r["kernel"],
            "bytes_ratio": r["bytes"] / b["bytes"], "flops": r["flops"],
            "flops_ratio": r["flops"] / max(b["flops"], 1e-30),
+           "ops": r["ops"], "ops_ratio": r["ops"] / max(b["ops"], 1e-30),
            "fusions": r["fusions"], "ms": t * 1e3, "time_ratio": t / t_base,
            "opt_ms": o * 1e3, "opt_ratio": o / o_base}
     rows.append(row)
     plus = " + kernel" if r["kernel"] else ""
     print(f"| {name} | {row['bytes']:.1f} | {row['bytes_ratio']:.2f} |"
           f" {row['flops']:.1f}{plus} | {row['flops_ratio']:.2f}{plus} |"
-          f" {row['fusions']} | {row['opt_ms']:.3f} | {row['opt_ratio']:.2f} |"
+          f" {row['ops']:.1f} | {row['ops_ratio']:.2f} | {row['fusions']} |"
+          f" {row['opt_ms']:.3f} | {row['opt_ratio']:.2f} |"
           f" {row['ms']:.2f} | {row['time_ratio']:.2f} |",
           flush=True)
   return rows

@@ -21,6 +21,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite.low_precision import _cpu_kernel, quantized_adam, QuantizedArray
+from jmp_lite.low_precision._blockwise import UNSIGNED_MAP
 from tests.conftest import lowered_for_h100, ROOT
 
 # At XLA:CPU's default optimisation level, as users compile: at the suite's
@@ -444,7 +445,7 @@ def test_cpu_kernel_reads_each_moment_with_the_map_it_was_written_with(
   for name in ("xla", "cpu"):
     opt = quantized_adam(1e-2, block_size=64, kernel=name)
     outs.append(jax.jit(opt.update)(_grads(1), state, params))
-  assert int(outs[1][1].inner_state[0].nu["w"].form[2]) == 0
+  assert int(outs[1][1].inner_state[0].nu["w"].form[2]) == UNSIGNED_MAP
   _assert_state_matches(outs[0][1], outs[1][1], kernel)
   _assert_updates_match(outs[0][0], outs[1][0], kernel)
 
@@ -527,7 +528,7 @@ def run(kernel, **kw):
     _, state = update(g, state, p)
   return state
 is_q = lambda x: isinstance(x, QuantizedArray)
-differ = total = 0
+differ = total = moved = 0
 for kw in [dict(bits=8), dict(bits=4), dict(rounding="nearest",
            scale_dtype="bfloat16"), dict(block_size=512)]:
   kw = {"block_size": 64, **kw}
@@ -543,11 +544,14 @@ for kw in [dict(bits=8), dict(bits=4), dict(rounding="nearest",
     assert np.abs(a - b).max() <= 1, kw
     differ += int((a != b).sum())
     total += a.size
+    # Scales and outliers to an ulp, but in a block where a code differed
+    # a step before (its element's new moment differs by a part of that
+    # code's step): there within 2%, one top code.
     for f in ("scales", "outliers"):
-      np.testing.assert_allclose(np.asarray(getattr(x, f), np.float32),
-                                 np.asarray(getattr(y, f), np.float32),
-                                 rtol=1e-6, err_msg=f"{kw} {f}")
-print(differ, total)
+      a, b = (np.asarray(getattr(q, f), np.float32) for q in (x, y))
+      np.testing.assert_allclose(a, b, rtol=2e-2, err_msg=f"{kw} {f}")
+      moved += int((~np.isclose(a, b, rtol=1e-6, atol=0)).sum())
+print(differ, total, moved)
 """
 
 
@@ -556,15 +560,18 @@ print(differ, total)
 def test_cpu_kernel_agrees_with_the_xla_path_at_default_flags(kernel):
   # A user's process has XLA's default flags: there a code differs by one
   # only where XLA's rsqrt or a contraction rounds a value a hair from a
-  # threshold the other way (measured: a few per million).
+  # threshold the other way (measured: a few per million), and a block's
+  # scale or outlier by more than an ulp only where such a code moved its
+  # element's next moment.
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
              PYTHONPATH=str(ROOT))
   done = subprocess.run([sys.executable, "-c", _DEFAULT_FLAGS_CHECK],
                         env=env, cwd="/", capture_output=True, text=True,
                         timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
-  differ, total = map(int, done.stdout.split())
+  differ, total, moved = map(int, done.stdout.split())
   assert total > 4_000_000 and differ / total < 1e-5, (differ, total)
+  assert moved <= differ, (moved, differ)
 
 
 @pytest.mark.parametrize("kernel", KERNELS[1:])

@@ -618,6 +618,40 @@ def test_bits_are_uniform():
   assert len(np.unique(bits)) > 0.99 * bits.size
 
 
+def test_code_noise_is_uniform_and_independent():
+  """The quantized states' code noise (one hash per element: mu's codes
+  take its high 16 bits, nu's the low): each half uniform, and each pair a
+  step relies on independent (the two halves, neighbouring elements, two
+  steps, two params' streams): chi-square tests on 16 x 16 buckets of the
+  top and of the bottom 4 bits."""
+  from jmp_lite.low_precision import _rounding
+
+  def halves(count: int, stream: int = 3) -> list[np.ndarray]:
+    key = _rounding.step_key(jnp.uint32(0), jnp.uint32(count))
+    bits = _rounding.stream_bits(key, stream, (256, 512))
+    return [np.asarray(_rounding.half_noise(bits, h)).astype(np.int64).ravel()
+            for h in (0, 1)]
+
+  (hi, lo), (next_hi, _), (other_hi, _) = halves(5), halves(6), halves(5, 4)
+  assert hi.max() < 2**16 and lo.max() < 2**16
+  # 255 degrees of freedom: p < 1e-4 above about 345.
+  limit = 345
+
+  def chi2(cells: np.ndarray) -> float:
+    counts = np.bincount(cells, minlength=256)
+    expected = cells.size / 256
+    return float(((counts - expected) ** 2 / expected).sum())
+
+  for half in (hi, lo):
+    assert chi2(half >> 8) < limit
+  pairs = {"halves": (hi, lo), "neighbours": (hi[:-1], hi[1:]),
+           "low neighbours": (lo[:-1], lo[1:]), "steps": (hi, next_hi),
+           "streams": (hi, other_hi)}
+  for name, (a, b) in pairs.items():
+    for bucket in (lambda x: x >> 12, lambda x: x & 15):
+      assert chi2(bucket(a) * 16 + bucket(b)) < limit, name
+
+
 # -------------------------------------------------------------- state_dtypes
 
 

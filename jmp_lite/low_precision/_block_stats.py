@@ -28,14 +28,14 @@ def _saturated(mag: jax.Array) -> jax.Array:
 
 _INF_BITS = np.int32(0x7F800000)
 _MAX_BITS = np.int32(0x7F7FFFFF)
-_NAN_BITS = np.int32(0x7FC00000)
 
 
 def outlier_and_scale(mag: jax.Array, raw: jax.Array
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per block (last axis): the index of the largest magnitude (NaN counts
-  as the largest, the first of equals wins, as ``argmax``), the ``raw``
-  value there, and the largest magnitude of the other elements
+  as the largest; of equals, the first on the CPU, as ``argmax``: a GPU's
+  reduction order may pick another, which decodes to the same values), the
+  ``raw`` value there, and the largest magnitude of the other elements
   (:func:`_saturated`; 0 if none), in one variadic reduction."""
   # Sharded as ``mag`` is when its type says (explicit mesh axes): the
   # reduction's index output takes this operand's sharding, and a
@@ -43,22 +43,23 @@ def outlier_and_scale(mag: jax.Array, raw: jax.Array
   index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1,
                                    out_sharding=type_sharding(mag))
   # Magnitudes compared as their bits: for non-negative floats integer
-  # order is float order, and a canonical NaN sits above inf. The reducer
-  # then needs no NaN tests (it runs once per element: XLA:CPU runs a
-  # variadic reduction as a scalar loop, and its cost model counts it).
-  bits = jax.lax.bitcast_convert_type(mag, jnp.int32) & np.int32(0x7FFFFFFF)
-  key = jnp.where(jnp.isnan(mag), _NAN_BITS, bits)
+  # order is float order, and any NaN (its sign bit cleared) sits above
+  # inf. The reducer, which XLA runs once per element (and counts), then
+  # needs no NaN tests.
+  key = jax.lax.bitcast_convert_type(mag, jnp.int32) & np.int32(0x7FFFFFFF)
 
   def combine(left: tuple[jax.Array, ...], right: tuple[jax.Array, ...]
               ) -> tuple[jax.Array, ...]:
     k1, i1, r1, f1 = left
     k2, i2, r2, f2 = right
-    first = (k1 > k2) | ((k1 == k2) & (i1 < i2))
-    lost = jnp.where(first, k2, k1)
+    # Ties go left: XLA:CPU reduces in order with the accumulator on the
+    # left, so the first of equals wins there.
+    first = k1 >= k2
+    lost = jnp.minimum(k1, k2)
     # The loser as the scale counts it (_saturated): NaN 0, inf the largest.
     lost = jnp.where(lost > _INF_BITS, np.int32(0),
                      jnp.minimum(lost, _MAX_BITS))
-    return (jnp.where(first, k1, k2), jnp.where(first, i1, i2),
+    return (jnp.maximum(k1, k2), jnp.where(first, i1, i2),
             jnp.where(first, r1, r2), jnp.maximum(jnp.maximum(f1, f2), lost))
 
   init = (np.int32(-1), np.int32(2**31 - 1), np.float32(0.0), np.int32(0))

@@ -2,18 +2,18 @@
 and each block's largest element kept exactly.
 
 The maps (measured on Adam's moments after 300 steps of the digits MLP at
-3e-4, ``docs/low_precision.md``) are power companding maps, which need no
+3e-4, ``docs/low_precision.md``) are square companding maps, which need no
 code table: a value ``y`` of a block whose largest magnitude (its outlier
 aside, below) is ``s`` is stored as one of the two integers around
-``Q * (|y| / s) ** (1 / power)``, up or down at random so that the decoded
-value is unbiased (``mu``; for ``nu``, its square root), or with
+``Q * sqrt(|y| / s)``, up or down at random so that the decoded value is
+unbiased (``mu``; for ``nu``, its square root), or with
 ``rounding="nearest"`` the nearer one.
 
 * Signed leaves (``mu``): symmetric, with an exact zero; ``Q = 127`` for 8
   bits and ``7`` for 4 bits.
 * Unsigned leaves (``nu``, ``sum_of_squares``): the map stores ``sqrt(v)``
   (what Adam divides by) and has no zero: code ``k`` means
-  ``((k + 1) / 2**bits) ** power``. A positive ``v`` never comes back as 0,
+  ``((k + 1) / 2**bits) ** 2``. A positive ``v`` never comes back as 0,
   which would make Adam's update ``m / (sqrt(v) + eps)`` explode (the
   "zero-point problem" of arXiv 2309.01507); a small ``v`` comes back at
   least at the block's floor, which only shrinks its update.
@@ -49,8 +49,14 @@ from jmp_lite.low_precision._block_stats import outlier_and_scale
 from jmp_lite.low_precision._common import F32
 from jmp_lite.low_precision._reshape import reshape, sharded_like
 
-# Companding powers, per (bits, signed): measured, see the module docstring.
-POWERS = {(8, True): 2.0, (8, False): 3.0, (4, True): 2.0, (4, False): 2.0}
+# Companding powers, per (bits, signed): the square for every map (the 8-bit
+# ``nu`` map of earlier versions took the cube; its states are refused).
+POWERS = {(8, True): 2.0, (8, False): 2.0, (4, True): 2.0, (4, False): 2.0}
+
+# ``form[2]``, the map the codes were written with: signed, or unsigned. 0
+# was the unsigned map before it took the square at 8 bits (at 4 bits the
+# same map, read as unsigned; at 8 bits refused).
+SIGNED_MAP, UNSIGNED_MAP, OLD_UNSIGNED_MAP = 1, 2, 0
 
 
 @struct.dataclass
@@ -70,14 +76,14 @@ class QuantizedArray:
     where: the outlier's index within its block (``uint8`` for blocks of at
       most 256 elements, else ``int32``), shaped like ``scales``.
     form: how the codes were written, as data that checkpoints keep:
-      ``int32[3]`` of (bits, block size, 1 for the signed map or 0).
+      ``int32[3]`` of (bits, block size, map: 1 signed, 2 unsigned).
     shape: the leaf's shape (static).
     dtype: the leaf's dtype (static).
     bits: 8 or 4 (static).
     block_size: elements per block (static).
     signed: the signed map (``mu``) or the unsigned square-root map
       (``nu``) (static; the codes are read by ``form``).
-    power: the map's companding power (static).
+    power: the map's companding power (static; 2).
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -177,48 +183,8 @@ def where_dtype(block_size: int) -> np.dtype:
 
 def form_of(bits: int, block_size: int, signed: bool) -> np.ndarray:
   """The ``form`` a :class:`QuantizedArray` records (int32[3])."""
-  return np.array([bits, block_size, int(signed)], np.int32)
-
-
-def _pow(x: jax.Array, power: float) -> jax.Array:
-  """``x ** power``; the maps' integer powers as products (a float power
-  is ``exp(power * log(x))``, which also keeps XLA from recomputing the
-  map in each fusion that reads it)."""
-  if power == 1.0:
-    return x
-  if power == 2.0:
-    return x * x
-  if power == 3.0:
-    return x * x * x
-  return x ** power
-
-
-def _root(x: jax.Array, power: float) -> jax.Array:
-  """``x ** (1 / power)`` for ``x`` in [0, 1]: a square root for power 2."""
-  if power == 1.0:
-    return x
-  if power == 2.0:
-    return jnp.sqrt(x)
-  if power == 3.0:
-    return _cube_root(x)
-  return x ** (1.0 / power)
-
-
-def _cube_root(x: jax.Array) -> jax.Array:
-  """``x ** (1 / 3)`` for ``x`` in [0, 1], within 2e-6: on XLA:CPU (where
-  ``pow`` took a fifth of the 8-bit step and ``cbrt`` four times that) a
-  guess from the float's bits, then two Newton steps (0 comes back below
-  1e-13: the lowest code); on GPUs ``cbrt``, one call, no divisions."""
-  if jax.default_backend() == "gpu":
-    return jnp.cbrt(x)
-  bits = jax.lax.bitcast_convert_type(x, jnp.int32).astype(F32)
-  y = jax.lax.bitcast_convert_type(
-      (bits * np.float32(1 / 3)).astype(jnp.int32) + np.int32(709921077),
-      F32)
-  third = x * np.float32(1 / 3)
-  for _ in range(2):
-    y = np.float32(2 / 3) * y + third / (y * y)
-  return y
+  return np.array([bits, block_size, SIGNED_MAP if signed else UNSIGNED_MAP],
+                  np.int32)
 
 
 _BF16_MAX_BITS = np.int32(0x7F7F0000)
@@ -246,14 +212,23 @@ def _round_half_up(x: jax.Array) -> jax.Array:
   return low + (x - low >= 0.5).astype(x.dtype)
 
 
+def check_power(power: float) -> None:
+  """The maps' powers this codec computes: 2 (its maps), 1 (linear)."""
+  if power not in (1.0, 2.0):
+    raise ValueError(f"a map's power must be 1 or 2, got {power!r}")
+
+
 def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
                   signed: bool, power: float, scale_dtype: Any = F32,
-                  stats: Any = None
+                  stats: Any = None, noise_scale: float = 1.0
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """The codes (as float32 integers), scales, outliers and outlier indices
   of float32 blocks ``raw`` (blocks along the last axis); what
-  :func:`quantize` stores, before packing. ``stats(mag, raw)`` gives
-  (index, outlier, scale) per block (default: per backend, below)."""
+  :func:`quantize` stores, before packing. ``noise * noise_scale`` is
+  uniform in ``[0, 1)`` (``None``: nearest codes). ``stats(mag, raw)``
+  gives (index, outlier, scale) per block (default: one variadic
+  reduction)."""
+  check_power(power)
   # One variadic reduction: the fewest passes and bytes, a scalar loop on
   # XLA:CPU. outlier_and_scale_max is no faster there: YNNPACK's reductions
   # read a materialised input (4.5x the bytes; full step no faster).
@@ -265,62 +240,64 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   order = jnp.abs(raw) if signed else jnp.maximum(raw, 0.0)
   where, outliers, top = stats(order, raw)
   absmax = top if signed else jnp.sqrt(top)
-  blocks = raw if signed else jnp.sqrt(order)
-  mag = jnp.abs(blocks)
-  at = jnp.arange(blocks.shape[-1]) == where[..., None]
   # Scales are rounded up to their storage dtype, so that |y| / scale <= 1.
   scales = absmax.astype(scale_dtype)
   if np.dtype(scale_dtype) != F32:
     scales = _bfloat16_ceiling(absmax).astype(scale_dtype)
   # What is stored (a backend may flush a subnormal bfloat16 scale to 0).
   wide = scales.astype(F32)[..., None]
-  # Other non-finite elements saturate (NaN to zero); the outlier's own
-  # code is never read.
-  mag = jnp.where(jnp.isnan(mag) | at, 0.0, mag)
-  # Times 1 / sqrt(scale), twice: 1 / scale itself is a float32 subnormal
-  # for scales above 2**126, which XLA:CPU flushes to zero (its x / s is
-  # x * (1 / s)), and a block of 1e37s would come back as zeros.
-  root = jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
-  inv_root = 1.0 / root
-  # An infinite element clips to 1 (inv_root is never 0: 1 / sqrt of
-  # float32's largest is a normal number).
-  unit = jnp.clip((mag * inv_root) * inv_root, 0.0, 1.0)
-  companded = _root(unit, power)
+  # The code grid: Q steps from 0 to the scale, each moment's magnitude in
+  # units where the codes' squares are integers: u = Q**p |y| / s, whose
+  # p-th root lies between two codes. The other non-finite elements
+  # saturate (NaN to zero); the outlier's own code is never read.
+  q = 2 ** (bits - 1) - 1 if signed else 2**bits
+  mag = order if signed else jnp.sqrt(order)
   if signed:
-    top = 2 ** (bits - 1) - 1
-    if noise is None:
-      magnitude = _round_half_up(companded * top)
+    # (An unsigned NaN reaches the lowest code through ``low`` below.)
+    mag = jnp.where(jnp.isnan(mag), 0.0, mag)
+  # Times r twice, r = Q**(p/2) / sqrt(s): 1 / s itself is a float32
+  # subnormal for scales above 2**126, which XLA:CPU flushes to zero, and
+  # a block of 1e37s would come back as zeros. An infinite element clips.
+  r = np.float32(q ** (power / 2)) / jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
+  u = jnp.minimum((mag * r) * r, np.float32(q**power))
+  c = jnp.sqrt(u) if power == 2.0 else u
+  if noise is None:
+    # The nearer code in the companded domain, halves up.
+    m = _round_half_up(c)
+    if signed:
+      k = jnp.where(raw < 0, q - m, q + m)
     else:
-      # Between the two codes around |y|, up with the probability that
-      # makes the decoded value's expectation |y| (unbiased in y).
-      low = jnp.clip(jnp.floor(companded * top), 0, top - 1)
-      below = _pow(low / top, power)
-      above = _pow((low + 1) / top, power)
-      # noise < (unit - below) / gap, without the division.
-      up = noise * (above - below) < unit - below
-      magnitude = low + up
-    k = jnp.where(blocks < 0, top - magnitude, top + magnitude)
+      # NaN to the lowest code, as the stochastic codes take it.
+      k = jnp.where(m > 1.0, m - 1.0, 0.0)
+    return k, scales, outliers, where
+  # Up with the probability that makes the decoded value's expectation
+  # |y| (unbiased in y for mu; in sqrt(v), what Adam divides by, for nu:
+  # unbiased in v made the digits MLP's 4-bit steps 13% longer than
+  # float32's, E[1 / sqrt(v)] growing with v's noise): between the codes
+  # low and low + 1, whose u are low**p and (low + 1)**p, up when
+  # noise * ((low + 1)**p - low**p) < u - low**p. At the top, u = Q**p and
+  # low = Q: never up.
+  low = jnp.floor(c)
+  if not signed:
+    # Code k is (k + 1)**p in u: values below the lowest code round up to
+    # it (low 1, below it: never up, k = 0), NaN too (u - below is NaN).
+    low = jnp.where(low > 1.0, low, 1.0)
+  below = low * low if power == 2.0 else low
+  ns = np.float32(noise_scale)
+  gap = low * (2 * ns) + ns if power == 2.0 else ns
+  up = noise * gap < u - below
+  if signed:
+    m = jnp.where(up, low + 1.0, low)
+    k = jnp.where(raw < 0, q - m, q + m)
   else:
-    levels = 2**bits
-    if noise is None:
-      k = jnp.clip(_round_half_up(companded * levels - 1.0), 0,
-                   levels - 1)
-    else:
-      # Unbiased in sqrt(v), what Adam divides by (unbiased in v made the
-      # digits MLP's 4-bit steps 13% longer than float32's: E[1 / sqrt(v)]
-      # grows with v's noise), down to the lowest code, which values below
-      # it round up to.
-      low = jnp.clip(jnp.floor(companded * levels) - 1.0, 0, levels - 2)
-      below = _pow((low + 1) / levels, power)
-      above = _pow((low + 2) / levels, power)
-      up = noise * (above - below) < unit - below
-      k = low + up
+    k = jnp.where(up, low, low - 1.0)
   return k, scales, outliers, where
 
 
 def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
              power: float, scale_dtype: Any = F32,
-             noise: jax.Array | None = None) -> QuantizedArray:
+             noise: jax.Array | None = None,
+             noise_scale: float = 1.0) -> QuantizedArray:
   """Block-quantizes ``x`` (at least one dimension, at least one element).
 
   Args:
@@ -332,10 +309,12 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
     power: the companding power (1: linear absmax).
     scale_dtype: the scales' dtype (float32 or bfloat16).
     noise: ``None`` to round each value to the nearest code in the
-      companded domain; or uniform values in ``[0, 1)`` of ``x``'s shape to
-      round between the two codes around it at random, unbiased in ``x``
-      (signed) or in ``sqrt(x)`` (unsigned; values below the lowest code
-      take it).
+      companded domain; or values of ``x``'s shape, uniform in ``[0, 1)``
+      once multiplied by ``noise_scale``, to round between the two codes
+      around it at random, unbiased in ``x`` (signed) or in ``sqrt(x)``
+      (unsigned; values below the lowest code take it).
+    noise_scale: what ``noise`` is multiplied by (``noise`` may then be
+      integers: :func:`~jmp_lite.low_precision._rounding.half_noise`).
 
   Returns:
     The :class:`QuantizedArray`.
@@ -354,7 +333,7 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
   k, scales, outliers, where = encode_blocks(
       _blocks(x32, block_size), None if noise is None else _blocks(
           noise, block_size), bits=bits, signed=signed, power=power,
-      scale_dtype=scale_dtype)
+      scale_dtype=scale_dtype, noise_scale=noise_scale)
   codes = _unblock(k.astype(jnp.uint8), y.shape, block_size)
   if bits == 4:
     # Pairs read as one little-endian uint16, not as stride-2 slices, which
@@ -378,12 +357,13 @@ def quantize(x: jax.Array, *, bits: int, block_size: int, signed: bool,
 
 def check_form(q: QuantizedArray) -> jax.Array | None:
   """Compares ``q.form`` (how the codes were written) with its static
-  bits and block size: a ``ValueError`` when ``form`` is concrete, else a
-  traced bool (``None`` if there is no ``form``)."""
+  bits and block size, and refuses the 8-bit unsigned map of earlier
+  versions (:data:`OLD_UNSIGNED_MAP`): a ``ValueError`` when ``form`` is
+  concrete, else a traced bool (``None`` if there is no ``form``)."""
   if q.form is None:
     return None
   if not is_tracer(q.form) and isinstance(q.form, (jax.Array, np.ndarray)):
-    bits, block_size, _ = (int(v) for v in np.asarray(q.form))
+    bits, block_size, kind = (int(v) for v in np.asarray(q.form))
     if (bits, block_size) != (q.bits, q.block_size):
       raise ValueError(
           f"quantized_states: a state leaf was written with bits={bits},"
@@ -391,8 +371,19 @@ def check_form(q: QuantizedArray) -> jax.Array | None:
           f" block_size={q.block_size} (a checkpoint restored into another"
           " configuration?). Restore it into quantized_states(...,"
           f" bits={bits}, block_size={block_size}), step once, then switch")
+    if bits == 8 and kind == OLD_UNSIGNED_MAP:
+      raise ValueError(
+          "quantized_states: a state leaf was written with the 8-bit"
+          " unsigned map of earlier jmp_lite versions (cube companding,"
+          " form[2] == 0), which this version does not read. Start the"
+          " optimizer state afresh (opt.init(params)) and keep the params")
     return None
-  return (q.form[0] == q.bits) & (q.form[1] == q.block_size)
+  return ((q.form[0] == q.bits) & (q.form[1] == q.block_size)
+          & ~((q.form[0] == 8) & (q.form[2] == OLD_UNSIGNED_MAP)))
+
+
+def _squared(y: jax.Array) -> jax.Array:
+  return y * y
 
 
 def decode_blocks(k: jax.Array, scale: jax.Array, *, bits: int,
@@ -405,9 +396,6 @@ def decode_blocks(k: jax.Array, scale: jax.Array, *, bits: int,
   outlier put back at ``where``, all NaN unless ``ok``."""
   top = 2 ** (bits - 1) - 1
   levels = 2**bits
-  # Each map's power: this leaf's for its own map, the default for the other.
-  p_signed = power if signed else POWERS[(bits, True)]
-  p_unsigned = POWERS[(bits, False)] if signed else power
   if ok is not None:
     # Per block, not per element: NaN scales and outliers make every
     # element NaN (0 * NaN included) at no cost in the elementwise decode.
@@ -415,32 +403,23 @@ def decode_blocks(k: jax.Array, scale: jax.Array, *, bits: int,
     if outliers is not None:
       outliers = jnp.where(ok, outliers, jnp.nan)
 
-  def signed_map(a: jax.Array) -> jax.Array:
-    # sign(a) * |a| ** p * scale, with a = (k - top) / top in [-1, 1].
-    if p_signed == 1.0:
-      return a * scale
-    if p_signed == 2.0:
-      return a * jnp.abs(a) * scale
-    return jnp.sign(a) * _pow(jnp.abs(a), p_signed) * scale
-
-  def unsigned_map(a: jax.Array) -> jax.Array:
-    # (a ** p * scale) ** 2, with a = (k + 1) / 2**bits in (0, 1].
-    root = _pow(a, p_unsigned) * scale
-    return root * root
+  def map_of(a: jax.Array) -> jax.Array:
+    # sign(a) |a|**p * scale, a = (k - top) / top in [-1, 1] (signed) or
+    # (k + 1) / 2**bits in (0, 1] (unsigned: sqrt(v), squared below).
+    return (a * jnp.abs(a) if power == 2.0 else a) * scale
 
   if form_signed is None:
-    y = (signed_map((k - top) * (1.0 / top)) if signed
-         else unsigned_map((k + 1.0) * (1.0 / levels)))
+    y = (map_of((k - top) * (1.0 / top)) if signed
+         else _squared(map_of((k + 1.0) * (1.0 / levels))))
   else:
     # Read with the map the codes were written with (a restore into another
-    # ``unsigned=`` converts on the next step). The code's affine map is
-    # shared, its two constants picked per leaf, so that only the maps'
-    # last few products are computed twice per element.
+    # ``unsigned=`` converts on the next step): the code's affine map, its
+    # two constants picked per leaf, and the square for the unsigned map.
     offset = jnp.where(form_signed, np.float32(-top), np.float32(1.0))
     step = jnp.where(form_signed, np.float32(1.0 / top),
                      np.float32(1.0 / levels))
-    a = (k + offset) * step
-    y = jnp.where(form_signed, signed_map(a), unsigned_map(a))
+    y = map_of((k + offset) * step)
+    y = y * jnp.where(form_signed, np.float32(1.0), y)
   if outliers is not None:
     index = jax.lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
     y = jnp.where(index == where[..., None], outliers[..., None], y)

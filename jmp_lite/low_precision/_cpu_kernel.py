@@ -36,7 +36,6 @@ from jmp_lite._jaxpr import align_varying
 from jmp_lite.low_precision._blockwise import (
   form_of,
   layout,
-  POWERS,
   QuantizedArray,
   stored_shapes,
 )
@@ -194,11 +193,8 @@ def leaf_step(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
   # As stored: a reshape of a donated buffer made XLA copy it first.
   side = lambda q: [q.codes, q.scales, q.outliers, q.where]
   out = step(meta, coef, g, side(mu), side(nu), rows=rows, n=shape[-1], r=r,
-             c=c, bits=mu.bits,
-             powers=(int(mu.power), int(nu.power),
-                     int(POWERS[(mu.bits, True)]),
-                     int(POWERS[(mu.bits, False)])),
-             stochastic=stochastic, b1=b1, b2=b2, eps=eps, lr=lr)
+             c=c, bits=mu.bits, stochastic=stochastic, b1=b1, b2=b2, eps=eps,
+             lr=lr)
 
   def back(q: QuantizedArray, parts: list[jax.Array], signed: bool
            ) -> QuantizedArray:
@@ -213,17 +209,16 @@ def leaf_step(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
 
 def step(meta: jax.Array, coef: jax.Array, g: jax.Array,
          mu: list[jax.Array], nu: list[jax.Array], *, rows: int, n: int,
-         r: int, c: int, bits: int, powers: tuple[int, int, int, int],
-         stochastic: bool, b1: float, b2: float, eps: float, lr: float
-         ) -> list[jax.Array]:
+         r: int, c: int, bits: int, stochastic: bool, b1: float, b2: float,
+         eps: float, lr: float) -> list[jax.Array]:
   """One param's Adam step through the kernel.
 
-  ``meta`` is uint32[8] (the count, mu's and nu's random keys, each form's
-  map, the forms' check bits: as the Pallas kernel reads it), ``coef`` the
-  bias corrections (float32[2]), ``g`` the gradient (the leaf's shape, read
-  as ``rows`` rows of ``n``), ``mu`` and ``nu`` each (codes, scales,
-  outliers, where) as stored. ``powers``: mu's, nu's, and the signed and
-  unsigned maps' defaults. Returns the float32 updates (``g``'s shape) and
+  ``meta`` is uint32[5] (the count, the param's random stream key, each
+  form's map, the forms' check bits: as the Pallas kernel reads it),
+  ``coef`` the bias corrections (float32[2]), ``g`` the gradient (the
+  leaf's shape, read as ``rows`` rows of ``n``), ``mu`` and ``nu`` each
+  (codes, scales, outliers, where) as stored (square maps: their power is
+  2). Returns the float32 updates (``g``'s shape) and
   the eight new state arrays, written over the old ones (donated, in
   place).
   """
@@ -239,12 +234,9 @@ def step(meta: jax.Array, coef: jax.Array, g: jax.Array,
   call = jax.ffi.ffi_call(
       TARGET, shapes, vmap_method="sequential",
       input_output_aliases={i: i - 2 for i in range(3, 11)})
-  p_mu, p_nu, p_signed, p_unsigned = powers
   results = call(
       *operands, rows=np.int64(rows), n=np.int64(n), r=np.int64(r),
-      c=np.int64(c), bits=np.int32(bits), p_mu=np.int32(p_mu),
-      p_nu=np.int32(p_nu), p_signed=np.int32(p_signed),
-      p_unsigned=np.int32(p_unsigned), stochastic=bool(stochastic),
+      c=np.int64(c), bits=np.int32(bits), stochastic=bool(stochastic),
       omb1=np.float32(1 - b1), b1=np.float32(b1), omb2=np.float32(1 - b2),
       b2=np.float32(b2), eps=np.float32(eps), neg_lr=np.float32(-lr))
   # The gradient operand varies over every axis any operand does.

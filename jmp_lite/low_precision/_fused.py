@@ -46,6 +46,7 @@ from jmp_lite.low_precision._blockwise import (
   grid,
   layout,
   QuantizedArray,
+  SIGNED_MAP,
   where_dtype,
 )
 from jmp_lite.low_precision._common import (
@@ -54,10 +55,17 @@ from jmp_lite.low_precision._common import (
   F32,
 )
 from jmp_lite.low_precision._quantized import (
+  code_streams,
   quantized_states,
   QuantizedStatesState,
 )
-from jmp_lite.low_precision._rounding import _C1, _GOLDEN, _mix, step_key
+from jmp_lite.low_precision._rounding import (
+  half_noise,
+  NOISE_SCALE,
+  pair_bits,
+  step_key,
+  stream_key,
+)
 
 _KERNELS = ("auto", "pallas", "cpu", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With
@@ -88,7 +96,7 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
   """One tile of blocks (:func:`_tile`): decode, Adam in float32, encode."""
   rows, n, r, c, col_blocks, block_len = dims
   # Scalars read one by one (Triton has no slice of a loaded vector).
-  meta = [meta_ref[i] for i in range(8)]
+  meta = [meta_ref[i] for i in range(_META)]
   # The gradient in its own dtype: cast here, not in a pass before.
   g = g_ref[...].astype(F32)
   tile = g.shape[0]
@@ -112,35 +120,34 @@ def _kernel(meta_ref, g_ref, mc_ref, ms_ref, mo_ref, mw_ref, nc_ref, ns_ref,
         outliers=jnp.squeeze(o_ref[...], 1),
         where=jnp.squeeze(w_ref[...], 1), ok=ok)
 
-  ok = meta[7].astype(jnp.int32)
-  mu = read(mc_ref, ms_ref, mo_ref, mw_ref, True, powers[0], meta[5] == 1,
-            (ok & 1) == 1)
-  nu = read(nc_ref, ns_ref, no_ref, nw_ref, False, powers[1], meta[6] == 1,
-            (ok & 2) == 2)
+  ok = meta[4].astype(jnp.int32)
+  mu = read(mc_ref, ms_ref, mo_ref, mw_ref, True, powers[0],
+            meta[2] == SIGNED_MAP, (ok & 1) == 1)
+  nu = read(nc_ref, ns_ref, no_ref, nw_ref, False, powers[1],
+            meta[3] == SIGNED_MAP, (ok & 2) == 2)
   count = meta[0].astype(jnp.int32)
   updates, chained = adam.update(
       g, (optax.ScaleByAdamState(count=count, mu=mu, nu=nu),
           optax.EmptyState()))
   adam_state: Any = chained[0]  # type: ignore[index]
 
-  def write(new, k1, k2, signed, power, c_out, s_out, o_out, w_out):
-    noise = None
-    if stochastic:
-      bits32 = _mix(_mix(flat ^ k1) + k2)
-      noise = (bits32 >> 8).astype(F32) * 2.0**-24
+  # One hash per element for both moments' codes: mu the high half.
+  hashed = pair_bits(meta[1], flat) if stochastic else None
+
+  def write(new, half, signed, power, c_out, s_out, o_out, w_out):
+    noise = None if hashed is None else half_noise(hashed, half)
     k, scales, outliers, where = encode_blocks(
         jnp.where(valid, new, 0.0), noise, bits=bits, signed=signed,
-        power=power, scale_dtype=scale_dtype, stats=outlier_and_scale_max)
+        power=power, scale_dtype=scale_dtype, stats=outlier_and_scale_max,
+        noise_scale=NOISE_SCALE)
     c_out[...] = k.astype(jnp.uint8)
     s_out[...] = scales[:, None]
     o_out[...] = outliers[:, None]
     w_out[...] = where[:, None]
 
   u_out[...] = updates
-  write(adam_state.mu, meta[1], meta[2], True, powers[0], mc_out, ms_out,
-        mo_out, mw_out)
-  write(adam_state.nu, meta[3], meta[4], False, powers[1], nc_out, ns_out,
-        no_out, nw_out)
+  write(adam_state.mu, 0, True, powers[0], mc_out, ms_out, mo_out, mw_out)
+  write(adam_state.nu, 1, False, powers[1], nc_out, ns_out, no_out, nw_out)
 
 
 def _codes_blocks(q: QuantizedArray, shape: tuple[int, ...]) -> jax.Array:
@@ -151,28 +158,25 @@ def _codes_blocks(q: QuantizedArray, shape: tuple[int, ...]) -> jax.Array:
   return _blocks(codes, q.block_size)
 
 
-def _leaf_keys(key: jax.Array, leaf: int) -> tuple[jax.Array, jax.Array]:
-  # What _rounding.random_bits derives per leaf, outside the kernel.
-  k1 = _mix(key + np.uint32((leaf * _GOLDEN) % 2**32))
-  return k1, _mix(k1 ^ _C1)
+# The kernels' per-param scalars (_meta).
+_META = 5
 
 
 def _meta(mu: QuantizedArray, nu: QuantizedArray, count: jax.Array,
-          key: jax.Array, leaves: tuple[int, int]) -> jax.Array:
-  """What both kernels read per param (uint32[8]): the count, mu's and nu's
-  random keys, the map each was written with, the forms' check bits."""
+          key: jax.Array, stream: int) -> jax.Array:
+  """What both kernels read per param (uint32[5]): the count, the param's
+  random stream key (mu's codes take its high half, nu's the low), the map
+  each was written with, the forms' check bits."""
   oks = [check_form(q) for q in (mu, nu)]
   ok = sum(jnp.asarray(True if o is None else o).astype(jnp.uint32) << i
            for i, o in enumerate(oks))
-  (k1m, k2m), (k1n, k2n) = _leaf_keys(key, leaves[0]), _leaf_keys(
-      key, leaves[1])
   return jnp.stack([
-      jnp.asarray(count).astype(jnp.uint32), k1m, k2m, k1n, k2n,
+      jnp.asarray(count).astype(jnp.uint32), stream_key(key, stream),
       mu.form[2].astype(jnp.uint32), nu.form[2].astype(jnp.uint32), ok])
 
 
 def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
-                count: jax.Array, key: jax.Array, leaves: tuple[int, int], *,
+                count: jax.Array, key: jax.Array, stream: int, *,
                 adam: optax.GradientTransformation, stochastic: bool,
                 interpret: bool) -> tuple[jax.Array, QuantizedArray,
                                           QuantizedArray]:
@@ -197,10 +201,10 @@ def _fused_leaf(g: jax.Array, mu: QuantizedArray, nu: QuantizedArray,
             flat_blocks(q.outliers.astype(F32)),
             flat_blocks(q.where.astype(jnp.int32))]
 
-  meta = _meta(mu, nu, count, key, leaves)
+  meta = _meta(mu, nu, count, key, stream)
   tile_spec = pl.BlockSpec((tile, wide), lambda i: (i, 0))
   one_spec = pl.BlockSpec((tile, 1), lambda i: (i, 0))
-  meta_spec = pl.BlockSpec((8,), lambda i: (0,))
+  meta_spec = pl.BlockSpec((_META,), lambda i: (0,))
   quad = [tile_spec, one_spec, one_spec, one_spec]
 
   def quad_shapes(q: QuantizedArray) -> list[jax.ShapeDtypeStruct]:
@@ -269,7 +273,7 @@ def _kernels_take(updates: Any, state: QuantizedStatesState) -> str:
     if np.dtype(g.dtype) not in _cpu_kernel.GRAD_DTYPES:
       return f"gradients of dtype {np.dtype(g.dtype).name}"
   for q in leaves:
-    if isinstance(q, QuantizedArray) and q.power not in (1.0, 2.0, 3.0):
+    if isinstance(q, QuantizedArray) and q.power != 2.0:
       return f"a map of power {q.power}"
   # The XLA path keeps such shardings; a kernel call would need the arrays
   # gathered (Pallas refuses them outright).
@@ -428,9 +432,13 @@ def quantized_adam(
           f"quantized_adam: kernel={path!r} cannot take this step ({why});"
           " use kernel='auto' or 'xla'")
     adam_state, rest = state.inner_state
-    flat = jax.tree.leaves(state.inner_state,
-                           is_leaf=lambda x: isinstance(x, QuantizedArray))
-    index = {id(x): i for i, x in enumerate(flat)}
+    flat = jax.tree_util.tree_flatten_with_path(
+        state.inner_state, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]
+    # Each param's random stream, as the XLA path draws it: mu's (the high
+    # half of its hash; nu, after mu in Adam's state, takes the low half).
+    streams = {id(x): s for (_, x), s in zip(flat, code_streams(
+        [p for p, _ in flat], [x for _, x in flat],
+        updates if params is None else params), strict=True)}
     g_leaves, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(adam_state.mu)
     nus = treedef.flatten_up_to(adam_state.nu)
@@ -442,12 +450,12 @@ def quantized_adam(
           nu, QuantizedArray):
         u, mu, nu = _cpu_kernel.leaf_step(
             g, mu, nu, _meta(mu, nu, adam_state.count, key,
-                             (index[id(mu)], index[id(nu)])),
+                             streams[id(mu)][0]),
             adam_state.count, hyper=hyper,
             stochastic=rounding == "stochastic")
       elif isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
         u, mu, nu = _fused_leaf(
-            g, mu, nu, adam_state.count, key, (index[id(mu)], index[id(nu)]),
+            g, mu, nu, adam_state.count, key, streams[id(mu)][0],
             adam=adam, stochastic=rounding == "stochastic",
             interpret=path == "interpret")
       else:   # Kept as inner made it (a scalar param): plain Adam.

@@ -43,9 +43,11 @@ from jmp_lite.low_precision._common import (
 from jmp_lite.low_precision._leaves import mirrors_a_param, unsigned_leaf
 from jmp_lite.low_precision._rounding import (
   check_seed,
-  random_bits,
+  half_noise,
+  NOISE_SCALE,
   specs_per_leaf,
   step_key,
+  stream_bits,
 )
 
 _BITS = (8, 4)
@@ -130,6 +132,31 @@ def _param_of(path: tuple[Any, ...], x: QuantizedArray,
     best = next((i for i, (_, p) in enumerate(params)
                  if tuple(p.shape) == x.shape), None)
   return best
+
+
+def code_streams(paths: list[Any], stored: list[Any], tree: Any
+                 ) -> list[tuple[int, int] | None]:
+  """Per stored state leaf, the random stream and half its stochastic codes
+  take (:func:`~jmp_lite.low_precision._rounding.pair_bits`), ``None`` for
+  a leaf not quantized: a param's quantized leaves, in their order in the
+  state, take the high and low halves of one stream per pair (Adam's
+  ``mu`` and ``nu`` share one hash per element). ``tree`` has the params'
+  structure (the params, or the gradients)."""
+  p_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  seen: dict[int, int] = {}
+  out: list[tuple[int, int] | None] = []
+  for n, (path, x) in enumerate(zip(paths, stored, strict=True)):
+    if not _is_quantized(x):
+      out.append(None)
+      continue
+    i = _param_of(tuple(path), x, p_leaves)
+    if i is None:   # Matched by no param: a stream of its own.
+      out.append((len(p_leaves) * (len(stored) + 1) + n, 0))
+      continue
+    slot = seen.get(i, 0)
+    seen[i] = slot + 1
+    out.append((i + len(p_leaves) * (slot // 2), slot % 2))
+  return out
 
 
 def _state_specs(specs: Any, params: Any, paths: list[Any],
@@ -425,18 +452,26 @@ def quantized_states(
       # restored checkpoint); init takes the optimizer's.
       key = step_key(state.seed, state.count)
       leaf_specs = _state_specs(specs, params, paths, stored)
+      streams = code_streams(paths, stored,
+                             updates if params is None else params)
+      hashed: dict[Any, jax.Array] = {}
 
       def back(i: int, old: Any, new: Any) -> Any:
         if not _is_quantized(old):
           return new
         noise = None
         if rounding == "stochastic":
-          # Uniform in [0, 1): 24 random bits, each element its own.
-          noise = (random_bits(key, i, new.shape, leaf_specs[i]) >> 8
-                   ).astype(F32) * 2.0**-24
+          # 16 random bits per element, half of its param's pair's hash.
+          stream, half = streams[i]  # type: ignore[misc]
+          where = (stream, tuple(new.shape), str(leaf_specs[i]))
+          if where not in hashed:   # Hashed once for both halves.
+            hashed[where] = stream_bits(key, stream, new.shape,
+                                        leaf_specs[i])
+          noise = half_noise(hashed[where], half)
         fresh = quantize(new, bits=old.bits, block_size=old.block_size,
                          signed=old.signed, power=old.power,
-                         scale_dtype=old.scales.dtype, noise=noise)
+                         scale_dtype=old.scales.dtype, noise=noise,
+                         noise_scale=NOISE_SCALE)
         # Keep the static (global) shape: quantize saw the local shard.
         fresh = dataclasses.replace(fresh, shape=old.shape)
         return jax.tree.map(lambda a, b: jnp.where(applied, a, b), fresh, old)

@@ -12,10 +12,12 @@
 // following that path's HLO as XLA:CPU's optimized code computes it: a
 // division by a scalar is a product with its reciprocal, each new moment one
 // fused multiply-add, subnormals flushed to zero (XLA:CPU's threads run with
-// FTZ and DAZ set; set here on x86). XLA also rewrites 1 / sqrt(s) as its
+// FTZ and DAZ set; set here on x86). XLA also rewrites q / sqrt(s) with its
 // own rsqrt, and contracts differently under other flags, so a code a hair
 // from a rounding threshold may come out one apart (a few per million), and
-// a scale or outlier an ulp apart. jmp_lite/low_precision/_cpu_kernel.py builds, loads and calls it;
+// a scale or outlier an ulp apart. Both moments' codes draw their random
+// bits from one hash per element (_rounding.pair_bits: mu the high half,
+// nu the low). jmp_lite/low_precision/_cpu_kernel.py builds, loads and calls it;
 // tests/test_fused_quantized.py holds it to the XLA path.
 
 #include <algorithm>
@@ -42,7 +44,6 @@ namespace {
 
 constexpr int32_t kInfBits = 0x7F800000;
 constexpr int32_t kMaxBits = 0x7F7FFFFF;
-constexpr int32_t kNanBits = 0x7FC00000;
 constexpr int32_t kBf16MaxBits = 0x7F7F0000;
 
 inline float FromBits(uint32_t b) {
@@ -74,18 +75,6 @@ inline float XMax(float a, float b) {
 inline float Clip(float x, float low, float high) {
   // jnp.clip on values that are never NaN here.
   return std::min(std::max(x, low), high);
-}
-
-// _blockwise._cube_root (the CPU form): a guess from the bits, two Newton
-// steps.
-inline float CubeRoot(float x) {
-  const float bits = static_cast<float>(static_cast<int32_t>(ToBits(x)));
-  const int32_t guess =
-      static_cast<int32_t>(bits * (1.0f / 3.0f)) + 709921077;
-  float y = FromBits(static_cast<uint32_t>(guess));
-  const float third = x * (1.0f / 3.0f);
-  for (int i = 0; i < 2; ++i) y = std::fma(2.0f / 3.0f, y, third / (y * y));
-  return y;
 }
 
 inline float RoundHalfUp(float x) {
@@ -130,10 +119,6 @@ struct Moment {
   bool form_signed;  // The map the old codes were written with.
   bool ok;           // Their bits and block size are this optimizer's.
   bool signed_leaf;  // The map the new codes take.
-  int p_signed;      // Decode powers of the two maps.
-  int p_unsigned;
-  int power;         // The encode power (this leaf's map).
-  uint32_t k1, k2;   // The random bits' keys.
 };
 
 struct Params {
@@ -144,6 +129,7 @@ struct Params {
   int64_t rows, n, r, c, col_blocks;
   int bits;
   bool stochastic, scale_bf16, where_i32;
+  uint32_t key;  // The param's random stream (_rounding.stream_key).
   float omb1, b1, omb2, b2, eps, neg_lr, inv_bc1, inv_bc2;
 };
 
@@ -151,49 +137,16 @@ struct Params {
 struct Scratch {
   std::vector<float> g, kmu, knu, mu, nu, u;
   std::vector<int32_t> keys;
+  std::vector<uint32_t> bits;
   std::vector<uint8_t> codes;
 
   void Resize(int64_t size) {
     for (auto* v : {&g, &kmu, &knu, &mu, &nu, &u}) v->assign(size, 0.0f);
     keys.assign(size, 0);
+    bits.assign(size, 0);
     codes.assign(size, 0);
   }
 };
-
-template <int P>
-inline float PowT(float x) {
-  if constexpr (P == 1) {
-    return x;
-  } else if constexpr (P == 2) {
-    return x * x;
-  } else {
-    return x * x * x;
-  }
-}
-
-template <int P>
-inline float RootT(float x) {
-  if constexpr (P == 1) {
-    return x;
-  } else if constexpr (P == 2) {
-    return std::sqrt(x);
-  } else {
-    return CubeRoot(x);
-  }
-}
-
-// Calls f with the power as a compile-time constant (the maps' powers are
-// 1, 2 or 3: the Python side sends no other).
-template <typename F>
-inline void WithPower(int p, F&& f) {
-  if (p == 1) {
-    f(std::integral_constant<int, 1>());
-  } else if (p == 2) {
-    f(std::integral_constant<int, 2>());
-  } else {
-    f(std::integral_constant<int, 3>());
-  }
-}
 
 // Calls f with the flag as a compile-time constant.
 template <typename F>
@@ -250,96 +203,84 @@ void LoadCodes(const Params& p, const uint8_t* codes, int64_t row,
   if (count % 2) out[count - 1] = in[pairs] & 0xF;
 }
 
-// A block's old moment (_blockwise.decode_blocks): y from the codes k.
+// A block's old moment (_blockwise.decode_blocks): y from the codes k, the
+// map's square: sign(a) a**2 * scale, squared again for the unsigned map.
 void Decode(const Params& p, const Moment& m, int64_t b, const float* k,
             float* y, int64_t size) {
   const float top = static_cast<float>((1 << (p.bits - 1)) - 1);
   const float levels = static_cast<float>(1 << p.bits);
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float scale = m.ok ? LoadScale(m.scales, p.scale_bf16, b) : nan;
+  const float offset = m.form_signed ? -top : 1.0f;
+  const float step = m.form_signed ? 1.0f / top : 1.0f / levels;
   if (m.form_signed) {
-    const float offset = -top, step = 1.0f / top;
-    WithPower(m.p_signed, [&](auto power) {
-      constexpr int P = decltype(power)::value;
-      for (int64_t e = 0; e < size; ++e) {
-        const float a = (k[e] + offset) * step;
-        if constexpr (P == 1) {
-          y[e] = a * scale;
-        } else if constexpr (P == 2) {
-          y[e] = a * std::fabs(a) * scale;
-        } else {
-          const float sign = a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : a);
-          y[e] = sign * PowT<P>(std::fabs(a)) * scale;
-        }
-      }
-    });
+    for (int64_t e = 0; e < size; ++e) {
+      const float a = (k[e] + offset) * step;
+      y[e] = a * std::fabs(a) * scale;
+    }
   } else {
-    const float offset = 1.0f, step = 1.0f / levels;
-    WithPower(m.p_unsigned, [&](auto power) {
-      constexpr int P = decltype(power)::value;
-      for (int64_t e = 0; e < size; ++e) {
-        const float root = PowT<P>((k[e] + offset) * step) * scale;
-        y[e] = root * root;
-      }
-    });
+    for (int64_t e = 0; e < size; ++e) {
+      const float a = (k[e] + offset) * step;
+      const float root = a * std::fabs(a) * scale;
+      y[e] = root * root;
+    }
   }
   // The outlier back at its index (an index past the block matches none).
   const int64_t where = LoadWhere(m.where, p.where_i32, b);
   if (where >= 0 && where < size) y[where] = m.ok ? m.outliers[b] : nan;
 }
 
+// A magnitude's order as its bits: any NaN above inf.
 inline int32_t Key(float mag) {
-  return std::isnan(mag) ? kNanBits
-                         : static_cast<int32_t>(ToBits(mag) & 0x7FFFFFFFu);
+  return static_cast<int32_t>(ToBits(mag) & 0x7FFFFFFFu);
 }
 
 inline int32_t Saturated(int32_t key) {
   return key > kInfBits ? 0 : std::min(key, kMaxBits);
 }
 
-// One row segment's codes (_blockwise.encode_blocks' elementwise part).
-template <bool kSigned, int P, bool kStochastic, int kBits>
-void CodeRow(const float* raw, int64_t count, uint32_t flat0, uint32_t k1,
-             uint32_t k2, float inv_root, uint8_t* codes) {
-  constexpr float top = static_cast<float>((1 << (kBits - 1)) - 1);
-  constexpr float levels = static_cast<float>(1 << kBits);
-  const float inv_top = 1.0f / top;
-  const float inv_levels = 1.0f / levels;
+// One row segment's codes (_blockwise.encode_blocks' elementwise part):
+// u = Q**2 |y| / s, between the codes' squares low**2 and (low + 1)**2.
+template <bool kSigned, bool kStochastic, int kBits>
+void CodeRow(const float* raw, int64_t count, const uint32_t* bits, int half,
+             float r, uint8_t* codes) {
+  constexpr float q = kSigned ? static_cast<float>((1 << (kBits - 1)) - 1)
+                              : static_cast<float>(1 << kBits);
+  constexpr float ns = 0x1p-16f;  // _rounding.NOISE_SCALE
   for (int64_t j = 0; j < count; ++j) {
     const float x = raw[j];
-    const float blocks = kSigned ? x : std::sqrt(XMax(x, 0.0f));
-    float mag = std::fabs(blocks);
-    mag = std::isnan(mag) ? 0.0f : mag;
-    const float unit = Clip((mag * inv_root) * inv_root, 0.0f, 1.0f);
-    const float companded = RootT<P>(unit);
-    float k;
+    float mag;
     if constexpr (kSigned) {
-      float magnitude;
-      if constexpr (!kStochastic) {
-        magnitude = RoundHalfUp(companded * top);
-      } else {
-        const uint32_t bits =
-            Mix(Mix((flat0 + static_cast<uint32_t>(j)) ^ k1) + k2);
-        const float noise = static_cast<float>(bits >> 8) * 0x1p-24f;
-        const float low = Clip(std::floor(companded * top), 0.0f, top - 1.0f);
-        const float below = PowT<P>(low * inv_top);
-        const float above = PowT<P>((low + 1.0f) * inv_top);
-        magnitude =
-            low + (noise * (above - below) < unit - below ? 1.0f : 0.0f);
-      }
-      k = blocks < 0.0f ? top - magnitude : top + magnitude;
+      mag = std::fabs(x);
+      mag = std::isnan(mag) ? 0.0f : mag;
     } else {
-      if constexpr (!kStochastic) {
-        k = Clip(RoundHalfUp(companded * levels - 1.0f), 0.0f, levels - 1.0f);
+      // NaN stays NaN (XLA's max and min propagate it): the lowest code.
+      mag = std::sqrt(XMax(x, 0.0f));
+    }
+    const float scaled = (mag * r) * r;
+    const float u = std::isnan(scaled) ? scaled : std::min(scaled, q * q);
+    const float c = std::sqrt(u);
+    float k;
+    if constexpr (!kStochastic) {
+      const float m = RoundHalfUp(c);
+      if constexpr (kSigned) {
+        k = x < 0.0f ? q - m : q + m;
       } else {
-        const uint32_t bits =
-            Mix(Mix((flat0 + static_cast<uint32_t>(j)) ^ k1) + k2);
-        const float noise = static_cast<float>(bits >> 8) * 0x1p-24f;
-        const float low =
-            Clip(std::floor(companded * levels) - 1.0f, 0.0f, levels - 2.0f);
-        const float below = PowT<P>((low + 1.0f) * inv_levels);
-        const float above = PowT<P>((low + 2.0f) * inv_levels);
-        k = low + (noise * (above - below) < unit - below ? 1.0f : 0.0f);
+        k = m > 1.0f ? m - 1.0f : 0.0f;
+      }
+    } else {
+      const uint32_t b = bits[j];
+      const float noise =
+          static_cast<float>(half == 0 ? b >> 16 : b & 0xFFFFu);
+      float low = std::floor(c);
+      if constexpr (!kSigned) low = low > 1.0f ? low : 1.0f;
+      const float gap = std::fma(low, 2.0f * ns, ns);
+      const bool up = noise * gap < u - low * low;
+      if constexpr (kSigned) {
+        const float m = up ? low + 1.0f : low;
+        k = x < 0.0f ? q - m : q + m;
+      } else {
+        k = up ? low : low - 1.0f;
       }
     }
     codes[j] = static_cast<uint8_t>(static_cast<int32_t>(k));
@@ -384,34 +325,27 @@ void Encode(const Params& p, const Moment& m, int64_t b, int64_t row0,
   } else {
     static_cast<uint8_t*>(m.where_out)[b] = static_cast<uint8_t>(where);
   }
-  const float inv_root = 1.0f / std::sqrt(wide > 0.0f ? wide : 1.0f);
+  // r = Q / sqrt(s), as the XLA path computes it per block.
+  const float q = signed_leaf ? static_cast<float>((1 << (p.bits - 1)) - 1)
+                              : static_cast<float>(1 << p.bits);
+  const float r = q / std::sqrt(wide > 0.0f ? wide : 1.0f);
   uint8_t* codes = s.codes.data();
+  const int half = signed_leaf ? 0 : 1;
   auto rows = [&](auto kernel) {
     for (int64_t i = 0; i < nrows; ++i) {
-      const uint32_t flat0 =
-          static_cast<uint32_t>(row0 + i) * static_cast<uint32_t>(p.n) +
-          static_cast<uint32_t>(col0);
-      kernel(raw + i * p.c, ncols, flat0, m.k1, m.k2, inv_root,
+      kernel(raw + i * p.c, ncols, s.bits.data() + i * p.c, half, r,
              codes + i * p.c);
     }
   };
-  // One loop per (map, power, rounding, bits), each compiled on its own.
-  WithPower(m.power, [&](auto power) {
-    WithFlag(signed_leaf, [&](auto is_signed) {
-      WithFlag(p.stochastic, [&](auto stochastic) {
-        WithFlag(p.bits == 8, [&](auto eight) {
-          rows(CodeRow<decltype(is_signed)::value, decltype(power)::value,
-                       decltype(stochastic)::value,
-                       decltype(eight)::value ? 8 : 4>);
-        });
+  // One loop per (map, rounding, bits), each compiled on its own.
+  WithFlag(signed_leaf, [&](auto is_signed) {
+    WithFlag(p.stochastic, [&](auto stochastic) {
+      WithFlag(p.bits == 8, [&](auto eight) {
+        rows(CodeRow<decltype(is_signed)::value, decltype(stochastic)::value,
+                     decltype(eight)::value ? 8 : 4>);
       });
     });
   });
-  // The outlier's own code is never read; the XLA path writes that of 0.
-  if (where < nrows * p.c && where % p.c < ncols) {
-    codes[where] = signed_leaf ? static_cast<uint8_t>((1 << (p.bits - 1)) - 1)
-                               : 0;
-  }
   // The codes into the leaf (two per byte, low nibble first, for 4 bits).
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t row = row0 + i;
@@ -469,6 +403,19 @@ void RunBlocks(const Params& p, int64_t begin, int64_t end, Scratch& s) {
       std::memcpy(p.updates + (row0 + i) * p.n + col0, u + i * p.c,
                   ncols * 4);
     }
+    if (p.stochastic) {
+      // One hash per element for both moments (_rounding.pair_bits).
+      for (int64_t i = 0; i < nrows; ++i) {
+        const uint32_t flat0 =
+            static_cast<uint32_t>(row0 + i) * static_cast<uint32_t>(p.n) +
+            static_cast<uint32_t>(col0);
+        uint32_t* out = s.bits.data() + i * p.c;
+        for (int64_t j = 0; j < ncols; ++j) {
+          out[j] = Mix((flat0 + static_cast<uint32_t>(j)) * 0x9E3779B9u +
+                       p.key);
+        }
+      }
+    }
     Encode(p, p.mu, b, row0, col0, nrows, ncols, mu, s);
     Encode(p, p.nu, b, row0, col0, nrows, ncols, nu, s);
   }
@@ -515,9 +462,8 @@ ffi::Error QuantizedAdamImpl(
     ffi::Result<ffi::AnyBuffer> mw_out, ffi::ResultBuffer<ffi::U8> nc_out,
     ffi::Result<ffi::AnyBuffer> ns_out, ffi::ResultBuffer<ffi::F32> no_out,
     ffi::Result<ffi::AnyBuffer> nw_out, int64_t rows, int64_t n, int64_t r,
-    int64_t c, int32_t bits, int32_t p_mu, int32_t p_nu, int32_t p_signed,
-    int32_t p_unsigned, bool stochastic, float omb1, float b1, float omb2,
-    float b2, float eps, float neg_lr) {
+    int64_t c, int32_t bits, bool stochastic, float omb1, float b1,
+    float omb2, float b2, float eps, float neg_lr) {
   Params p;
   switch (g.element_type()) {
     case ffi::DataType::F32: p.g_kind = 0; break;
@@ -552,7 +498,7 @@ ffi::Error QuantizedAdamImpl(
       ms.element_count() != blocks_size || ns.element_count() != blocks_size ||
       mo.element_count() != blocks_size || no.element_count() != blocks_size ||
       mw.element_count() != blocks_size || nw.element_count() != blocks_size ||
-      !scale_ok || !where_ok || meta.element_count() != 8 ||
+      !scale_ok || !where_ok || meta.element_count() != 5 ||
       coef.element_count() != 2) {
     return ffi::Error::InvalidArgument(
         "jmp_lite quantized_adam CPU kernel: the state's arrays do not match"
@@ -584,16 +530,17 @@ ffi::Error QuantizedAdamImpl(
     p.inv_bc1 = one / bc[0];
     p.inv_bc2 = one / bc[1];
   }
+  // meta: the count, the param's stream key, each form's map (1: signed),
+  // the forms' check bits.
+  p.key = m[1];
   p.mu = Moment{mc.typed_data(), ms.untyped_data(), mo.typed_data(),
                 mw.untyped_data(), mc_out->typed_data(),
                 ms_out->untyped_data(), mo_out->typed_data(),
-                mw_out->untyped_data(), m[5] == 1, (m[7] & 1u) != 0, true,
-                p_mu, p_unsigned, p_mu, m[1], m[2]};
+                mw_out->untyped_data(), m[2] == 1, (m[4] & 1u) != 0, true};
   p.nu = Moment{nc.typed_data(), ns.untyped_data(), no.typed_data(),
                 nw.untyped_data(), nc_out->typed_data(),
                 ns_out->untyped_data(), no_out->typed_data(),
-                nw_out->untyped_data(), m[6] == 1, (m[7] & 2u) != 0, false,
-                p_signed, p_nu, p_nu, m[3], m[4]};
+                nw_out->untyped_data(), m[3] == 1, (m[4] & 2u) != 0, false};
   const int64_t groups = (rows + r - 1) / r;
   const int64_t blocks = groups * p.col_blocks;
   const int64_t chunk = ChunkBlocks(r * c);
@@ -656,10 +603,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("r")
         .Attr<int64_t>("c")
         .Attr<int32_t>("bits")
-        .Attr<int32_t>("p_mu")
-        .Attr<int32_t>("p_nu")
-        .Attr<int32_t>("p_signed")
-        .Attr<int32_t>("p_unsigned")
         .Attr<bool>("stochastic")
         .Attr<float>("omb1")
         .Attr<float>("b1")

@@ -63,7 +63,7 @@ def _global_index(shape: tuple[int, ...], spec: Any) -> jax.Array:
   ``axis_index`` gives this shard's offset. So shards draw different bits
   and replicated copies draw the same ones, as the unsharded run would.
   """
-  index = jnp.zeros(shape, jnp.uint32)
+  index = None
   stride = 1
   entries = tuple(spec) if spec is not None else ()
   for d in reversed(range(len(shape))):
@@ -82,17 +82,58 @@ def _global_index(shape: tuple[int, ...], spec: Any) -> jax.Array:
             " specs=: its state is the same") from e
       offset = jax.lax.axis_index(names).astype(jnp.uint32)
       coord = coord + offset * np.uint32(shape[d] % 2**32)
-    index = index + coord * np.uint32(stride % 2**32)
+    if stride != 1:
+      coord = coord * np.uint32(stride % 2**32)
+    index = coord if index is None else index + coord
     stride *= shape[d] * parts
-  return index
+  return jnp.zeros(shape, jnp.uint32) if index is None else index
 
 
 def random_bits(key: jax.Array, leaf: int, shape: tuple[int, ...],
                  spec: Any = None) -> jax.Array:
   """Uniform uint32 bits for one leaf, elementwise (fuses into the update)."""
-  k1 = _mix(key + np.uint32((leaf * _GOLDEN) % 2**32))
+  k1 = stream_key(key, leaf)
   k2 = _mix(k1 ^ _C1)
   return _mix(_mix(_global_index(shape, spec) ^ k1) + k2)
+
+
+def stream_key(key: jax.Array, stream: int) -> jax.Array:
+  """One stream's 32-bit key (a scalar) from the step's key."""
+  return _mix(key + np.uint32((stream * _GOLDEN) % 2**32))
+
+
+def pair_bits(k: jax.Array, index: jax.Array) -> jax.Array:
+  """32 random bits per element for two moments' codes: one MurmurHash3
+  finaliser round over a Weyl sequence (the element's flat ``index`` times
+  the golden ratio, plus the stream's key ``k``: :func:`stream_key`).
+  The first moment takes the high 16 bits, the second the low 16
+  (:func:`half_noise`): half the hashing of a stream per moment.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite.low_precision._rounding import pair_bits
+    >>> pair_bits(jnp.uint32(7), jnp.arange(3, dtype=jnp.uint32)).dtype
+    dtype('uint32')
+  """
+  return _mix(index * np.uint32(_GOLDEN) + k)
+
+
+def half_noise(bits: jax.Array, half: int) -> jax.Array:
+  """Half ``half`` (0: high, 1: low) of :func:`pair_bits` as float32 integers
+  in ``[0, 2**16)``: times :data:`NOISE_SCALE`, uniform in ``[0, 1)``."""
+  part = bits >> 16 if half == 0 else bits & np.uint32(0xFFFF)
+  return part.astype(F32)
+
+
+# What half_noise's integers are multiplied by (inside the codes' threshold).
+NOISE_SCALE = 2.0**-16
+
+
+def stream_bits(key: jax.Array, stream: int, shape: tuple[int, ...],
+                spec: Any = None) -> jax.Array:
+  """A stream's :func:`pair_bits` at each element's global index (under
+  ``shard_map``, ``spec`` as for :func:`random_bits`)."""
+  return pair_bits(stream_key(key, stream), _global_index(shape, spec))
 
 
 def round_stochastic(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
