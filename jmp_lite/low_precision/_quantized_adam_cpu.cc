@@ -247,6 +247,7 @@ void CodeRow(const float* raw, int64_t count, const uint32_t* bits, int half,
   constexpr float q = kSigned ? static_cast<float>((1 << (kBits - 1)) - 1)
                               : static_cast<float>(1 << kBits);
   constexpr float ns = 0x1p-16f;  // _rounding.NOISE_SCALE
+  const uint32_t shift = half == 0 ? 16 : 0;  // mu the high half, nu the low
   for (int64_t j = 0; j < count; ++j) {
     const float x = raw[j];
     float mag;
@@ -269,9 +270,9 @@ void CodeRow(const float* raw, int64_t count, const uint32_t* bits, int half,
         k = m > 1.0f ? m - 1.0f : 0.0f;
       }
     } else {
-      const uint32_t b = bits[j];
-      const float noise =
-          static_cast<float>(half == 0 ? b >> 16 : b & 0xFFFFu);
+      // Through int32 (16 bits fit): a vectorized conversion.
+      const float noise = static_cast<float>(
+          static_cast<int32_t>((bits[j] >> shift) & 0xFFFFu));
       float low = std::floor(c);
       if constexpr (!kSigned) low = low > 1.0f ? low : 1.0f;
       const float gap = std::fma(low, 2.0f * ns, ns);
