@@ -85,7 +85,7 @@ def op_flops(fn: Callable, *args: Any,
             **eqn.params)
 
       c = jax.jit(alone).lower(*specs).compile().cost_analysis()
-      c = c[0] if isinstance(c, list) else c
+      c = (c[0] if isinstance(c, list) else c) or {}
       cache[key] = (float(c.get("flops", 0.0)),
                     float(c.get("transcendentals", 0.0)))
     return cache[key]

@@ -58,12 +58,14 @@ def moments(steps: int, seed: int = 0) -> tuple[jax.Array, jax.Array, int]:
     idx = rng.integers(0, len(x_tr), 128)
     params, state = step(params, state, jnp.asarray(x_tr[idx]),
                          jnp.asarray(y_tr[idx]))
+  adam: Any = state[0]  # type: ignore[index]
   flat = lambda t: jnp.concatenate([v.ravel() for v in jax.tree.leaves(t)])
-  return flat(state[0].mu), flat(state[0].nu), steps
+  return flat(adam.mu), flat(adam.nu), steps
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+      description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   args = parser.parse_args(argv)
   mu, nu, t = moments(args.steps)

@@ -436,9 +436,10 @@ def quantized_adam(
         state.inner_state, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]
     # Each param's random stream, as the XLA path draws it: mu's (the high
     # half of its hash; nu, after mu in Adam's state, takes the low half).
-    streams = {id(x): s for (_, x), s in zip(flat, code_streams(
+    streams = {id(x): s[0] for (_, x), s in zip(flat, code_streams(
         [p for p, _ in flat], [x for _, x in flat],
-        updates if params is None else params), strict=True)}
+        updates if params is None else params), strict=True)
+        if s is not None}
     g_leaves, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(adam_state.mu)
     nus = treedef.flatten_up_to(adam_state.nu)
@@ -450,12 +451,12 @@ def quantized_adam(
           nu, QuantizedArray):
         u, mu, nu = _cpu_kernel.leaf_step(
             g, mu, nu, _meta(mu, nu, adam_state.count, key,
-                             streams[id(mu)][0]),
+                             streams[id(mu)]),
             adam_state.count, hyper=hyper,
             stochastic=rounding == "stochastic")
       elif isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
         u, mu, nu = _fused_leaf(
-            g, mu, nu, adam_state.count, key, streams[id(mu)][0],
+            g, mu, nu, adam_state.count, key, streams[id(mu)],
             adam=adam, stochastic=rounding == "stochastic",
             interpret=path == "interpret")
       else:   # Kept as inner made it (a scalar param): plain Adam.
