@@ -343,15 +343,19 @@ def test_quantized_step_cost_benchmark_runs_small_on_cpu():
       "UAA SR(loss_scaled(quantized_adam(8)))",
       "UAA SR(loss_scaled(quantized_adam(8, xla)))"}, out.stdout
   base = [float(c) for c in rows["SR(adam)"]]
-  # bytes, ratio, flops, ratio, fusions, opt ms, ratio, full ms, ratio.
-  assert len(base) == 9 and base[1] == base[3] == base[6] == base[8] == 1.0
+  # bytes, ratio, flops, ratio, ops each once, ratio, fusions, opt ms,
+  # ratio, full ms, ratio.
+  assert len(base) == 11 and all(base[i] == 1.0 for i in (1, 3, 5, 8, 10))
   # kernel="xla" is quantized_states' XLA path: the same cost.
-  assert rows["SR(quantized_adam(8, xla))"][:4] == rows[
-      "SR(quantized_states(adam, 8))"][:4]
+  assert rows["SR(quantized_adam(8, xla))"][:6] == rows[
+      "SR(quantized_states(adam, 8))"][:6]
   # The C++ kernel's flops are outside XLA's model (said so); its bytes are
   # counted, and fewer than the XLA path's.
   kernel = rows["SR(quantized_adam(8))"]
   assert kernel[2].endswith("+ kernel") and kernel[3].endswith("+ kernel")
+  # Its operations are counted as its XLA twin's, which it computes.
+  assert kernel[4:6] == rows["SR(quantized_adam(8, xla))"][4:6]
+  assert 1.0 < float(kernel[5]) < 3.0
   assert float(kernel[0]) < float(rows["SR(quantized_adam(8, xla))"][0])
   assert rows["UAA SR(loss_scaled(quantized_adam(8)))"][2].endswith(
       "+ kernel")
