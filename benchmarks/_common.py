@@ -84,7 +84,10 @@ def op_flops(fn: Callable, *args: Any,
             *[x if x is not None else next(it) for x in literal],
             **eqn.params)
 
-      c = jax.jit(alone).lower(*specs).compile().cost_analysis()
+      # On the CPU whatever the default backend: the count is the jaxpr's,
+      # and a GPU compile per equation would take minutes.
+      with jax.default_device(jax.devices("cpu")[0]):
+        c = jax.jit(alone).lower(*specs).compile().cost_analysis()
       c = (c[0] if isinstance(c, list) else c) or {}
       cache[key] = (float(c.get("flops", 0.0)),
                     float(c.get("transcendentals", 0.0)))
