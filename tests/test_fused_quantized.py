@@ -62,11 +62,12 @@ def _assert_state_matches(want: Any, got: Any, kernel: str) -> None:
   the XLA path. The C++ kernel computes each new moment once, as XLA:CPU's
   optimized code does (one multiply-add each); but XLA:CPU contracts
   multiply-adds in some fusions and not in others depending on its flags
-  (this suite's among them) and rewrites ``1 / sqrt`` as its own rsqrt, so
-  a scale or outlier may differ by an ulp (more where the new moment
-  cancels: 1e-6 relative in the padding test) and a code a hair from a
-  rounding threshold by one. test_cpu_kernel_agrees_with_the_xla_path_at_
-  default_flags bounds that at XLA's default flags.
+  (this suite's among them) and rewrites ``q / sqrt`` with its own rsqrt,
+  so a scale or outlier may differ by an ulp (more where the new moment
+  cancels: 1e-6 relative in the padding test), a code a hair from a
+  rounding threshold by one, and, a step later, that code's block's scale
+  or outlier by part of a code step. test_cpu_kernel_agrees_with_the_xla_
+  path_at_default_flags bounds that at XLA's default flags.
   """
   is_q = lambda x: isinstance(x, QuantizedArray)
   assert jax.tree.structure(want) == jax.tree.structure(got)
@@ -85,16 +86,21 @@ def _assert_state_matches(want: Any, got: Any, kernel: str) -> None:
       codes = [np.stack([c & 0xF, c >> 4]) for c in codes]
     diff = np.abs(codes[0] - codes[1])
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-2, name
+    # A code one apart moves its element's next moment by part of a code
+    # step: that block's scale or outlier (within 2%, one top code), in as
+    # many blocks at most as codes differed.
+    moved = np.zeros(np.shape(x.scales), bool)
     for field in ("scales", "outliers"):
-      a, b = getattr(x, field), getattr(y, field)
-      assert a.dtype == b.dtype, name
-      np.testing.assert_allclose(np.asarray(a, np.float32),
-                                 np.asarray(b, np.float32), rtol=1e-5,
-                                 err_msg=f"{name}.{field}")
+      a, b = (np.asarray(getattr(q, field), np.float32) for q in (x, y))
+      assert getattr(x, field).dtype == getattr(y, field).dtype, name
+      np.testing.assert_allclose(a, b, rtol=2e-2, err_msg=f"{name}.{field}")
+      moved |= ~np.isclose(a, b, rtol=1e-5, atol=0)
+    assert moved.sum() <= max(1, int((diff > 0).sum())), (name, moved.sum())
     for field in ("where", "form"):
-      np.testing.assert_array_equal(np.asarray(getattr(x, field)),
-                                    np.asarray(getattr(y, field)),
-                                    err_msg=f"{name}.{field}")
+      a, b = (np.asarray(getattr(q, field)) for q in (x, y))
+      if field == "where":
+        a, b = a[~moved], b[~moved]
+      np.testing.assert_array_equal(a, b, err_msg=f"{name}.{field}")
 
 
 def _assert_updates_match(want: Any, got: Any, kernel: str) -> None:

@@ -652,6 +652,21 @@ def test_code_noise_is_uniform_and_independent():
       assert chi2(bucket(a) * 16 + bucket(b)) < limit, name
 
 
+def test_code_noise_streams_are_not_shifted_copies():
+  """Two params' streams draw unrelated bits whatever their keys: an added
+  key would make keys that differ by a multiple of the golden ratio draw
+  the same bits, shifted by that multiple."""
+  from jmp_lite.low_precision import _rounding
+  index = jnp.arange(2**17, dtype=jnp.uint32)
+  key, golden = 0x1234567, 0x9E3779B9
+  base = set(np.asarray(_rounding.pair_bits(jnp.uint32(key), index)).tolist())
+  for other in (key + golden, key + 3 * golden, key ^ golden, key + 1):
+    bits = np.asarray(_rounding.pair_bits(jnp.uint32(other % 2**32),
+                                          index)).tolist()
+    # Independent 32-bit values: about 2**34 / 2**32 = 4 coincide.
+    assert len(base.intersection(bits)) < 40, hex(int(other))
+
+
 # -------------------------------------------------------------- state_dtypes
 
 

@@ -188,6 +188,7 @@ def form_of(bits: int, block_size: int, signed: bool) -> np.ndarray:
 
 
 _BF16_MAX_BITS = np.int32(0x7F7F0000)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def _bfloat16_ceiling(x: jax.Array) -> jax.Array:
@@ -258,7 +259,11 @@ def encode_blocks(raw: jax.Array, noise: jax.Array | None, *, bits: int,
   # Times r twice, r = Q**(p/2) / sqrt(s): 1 / s itself is a float32
   # subnormal for scales above 2**126, which XLA:CPU flushes to zero, and
   # a block of 1e37s would come back as zeros. An infinite element clips.
-  r = np.float32(q ** (power / 2)) / jnp.sqrt(jnp.where(wide > 0, wide, 1.0))
+  # The maximum (never taken) keeps XLA from rewriting q / sqrt(s) with its
+  # approximate rsqrt (an ulp off a third of the time), which the kernels
+  # could not reproduce: they divide.
+  root = jnp.maximum(jnp.sqrt(jnp.where(wide > 0, wide, 1.0)), _F32_TINY)
+  r = np.float32(q ** (power / 2)) / root
   u = jnp.minimum((mag * r) * r, np.float32(q**power))
   c = jnp.sqrt(u) if power == 2.0 else u
   if noise is None:

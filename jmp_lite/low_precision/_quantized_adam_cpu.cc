@@ -12,10 +12,9 @@
 // following that path's HLO as XLA:CPU's optimized code computes it: a
 // division by a scalar is a product with its reciprocal, each new moment one
 // fused multiply-add, subnormals flushed to zero (XLA:CPU's threads run with
-// FTZ and DAZ set; set here on x86). XLA also rewrites q / sqrt(s) with its
-// own rsqrt, and contracts differently under other flags, so a code a hair
-// from a rounding threshold may come out one apart (a few per million), and
-// a scale or outlier an ulp apart. Both moments' codes draw their random
+// FTZ and DAZ set; set here on x86). XLA contracts differently under other
+// flags, so a code a hair from a rounding threshold may come out one apart
+// (a few per million), and a scale or outlier an ulp apart. Both moments' codes draw their random
 // bits from one hash per element (_rounding.pair_bits: mu the high half,
 // nu the low). jmp_lite/low_precision/_cpu_kernel.py builds, loads and calls it;
 // tests/test_fused_quantized.py holds it to the XLA path.
@@ -326,10 +325,11 @@ void Encode(const Params& p, const Moment& m, int64_t b, int64_t row0,
   } else {
     static_cast<uint8_t*>(m.where_out)[b] = static_cast<uint8_t>(where);
   }
-  // r = Q / sqrt(s), as the XLA path computes it per block.
+  // r = Q / sqrt(s), divided as the XLA path divides it per block.
   const float q = signed_leaf ? static_cast<float>((1 << (p.bits - 1)) - 1)
                               : static_cast<float>(1 << p.bits);
-  const float r = q / std::sqrt(wide > 0.0f ? wide : 1.0f);
+  const float r = q / std::max(std::sqrt(wide > 0.0f ? wide : 1.0f),
+                               std::numeric_limits<float>::min());
   uint8_t* codes = s.codes.data();
   const int half = signed_leaf ? 0 : 1;
   auto rows = [&](auto kernel) {
@@ -412,7 +412,7 @@ void RunBlocks(const Params& p, int64_t begin, int64_t end, Scratch& s) {
             static_cast<uint32_t>(col0);
         uint32_t* out = s.bits.data() + i * p.c;
         for (int64_t j = 0; j < ncols; ++j) {
-          out[j] = Mix((flat0 + static_cast<uint32_t>(j)) * 0x9E3779B9u +
+          out[j] = Mix(((flat0 + static_cast<uint32_t>(j)) * 0x9E3779B9u) ^
                        p.key);
         }
       }

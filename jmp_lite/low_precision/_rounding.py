@@ -105,9 +105,12 @@ def stream_key(key: jax.Array, stream: int) -> jax.Array:
 def pair_bits(k: jax.Array, index: jax.Array) -> jax.Array:
   """32 random bits per element for two moments' codes: one MurmurHash3
   finaliser round over a Weyl sequence (the element's flat ``index`` times
-  the golden ratio, plus the stream's key ``k``: :func:`stream_key`).
-  The first moment takes the high 16 bits, the second the low 16
-  (:func:`half_noise`): half the hashing of a stream per moment.
+  the golden ratio) keyed by XOR with the stream's key ``k``
+  (:func:`stream_key`). XOR, not an addition: an added key shifts one
+  sequence, and two streams whose keys differ by a multiple of the golden
+  ratio would draw the same bits, shifted. The first moment takes the high
+  16 bits, the second the low 16 (:func:`half_noise`): half the hashing of
+  a stream per moment.
 
   Example:
     >>> import jax.numpy as jnp
@@ -115,7 +118,7 @@ def pair_bits(k: jax.Array, index: jax.Array) -> jax.Array:
     >>> pair_bits(jnp.uint32(7), jnp.arange(3, dtype=jnp.uint32)).dtype
     dtype('uint32')
   """
-  return _mix(index * np.uint32(_GOLDEN) + k)
+  return _mix((index * np.uint32(_GOLDEN)) ^ k)
 
 
 def half_noise(bits: jax.Array, half: int) -> jax.Array:
