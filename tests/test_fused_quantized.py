@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -431,6 +431,53 @@ def test_cpu_kernel_walks_every_block_layout(kernel, bits):
                                          block_size=64)
   _assert_state_matches(s_xla, s_cpu, kernel)
   _assert_updates_match(u_xla, u_cpu, kernel)
+
+
+class _Head(NamedTuple):
+  weight: jax.Array
+
+
+class _Actor(NamedTuple):
+  """A trunk ``weight`` beside a head named ``mu``: the head's key path
+  (mu, weight) ends the trunk's Adam state path (0, mu, weight)."""
+  mu: _Head
+  weight: jax.Array
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_params_named_like_a_moment_draw_their_own_streams(kernel):
+  # Before: the kernels gave the trunk the head's random stream (identical
+  # codes for equal gradients) and differed from the XLA path.
+  params = _Actor(mu=_Head(jnp.zeros((8, 256))), weight=jnp.zeros((8, 256)))
+  g = jax.random.normal(jax.random.key(0), (8, 256)) * 1e-3
+  grads = _Actor(mu=_Head(g), weight=g)
+  states = []
+  for name in ("xla", kernel):
+    opt = quantized_adam(1e-3, kernel=name)
+    states.append(jax.jit(opt.update)(grads, opt.init(params), params)[1])
+  _assert_state_matches(*states, kernel)
+  adam = states[1].inner_state[0]
+  for moment in (adam.mu, adam.nu):
+    same = np.mean(np.asarray(moment.mu.weight.codes)
+                   == np.asarray(moment.weight.codes))
+    assert same < 0.9, same
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nans_of_different_payloads_keep_the_same_outlier(kernel):
+  # Of two NaN moments in a block, every path keeps the one with the
+  # larger bits (the Pallas kernel kept the first).
+  nans = [jax.lax.bitcast_convert_type(jnp.uint32(b), jnp.float32)
+          for b in (0x7FC00001, 0x7FC00123)]
+  params = {"w": jnp.zeros((1, 64))}
+  g = {"w": jnp.linspace(-1.0, 1.0, 64)[None].at[0, 3].set(nans[0]).at[
+      0, 40].set(nans[1])}
+  wheres = []
+  for name in ("xla", kernel):
+    opt = quantized_adam(1e-2, kernel=name, block_size=64)
+    _, state = jax.jit(opt.update)(g, opt.init(params), params)
+    wheres.append(int(state.inner_state[0].mu["w"].where[0, 0]))
+  assert wheres == [40, 40]
 
 
 @pytest.mark.parametrize("kernel", KERNELS[1:])

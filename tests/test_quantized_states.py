@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -263,6 +263,35 @@ def test_updates_follow_float32_adam():
     err = jnp.linalg.norm(u[name] - ref_u[name]) / jnp.linalg.norm(
         ref_u[name])
     assert float(err) < 0.05, (name, float(err))
+
+
+class _Linear(NamedTuple):
+  weight: jax.Array
+  bias: jax.Array
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cpu"])
+def test_attribute_params_store_nu_unsigned(kernel):
+  """Equinox-style params (attributes, not dict keys): Adam's ``nu`` took
+  the signed map, read off the param's own attribute (``weight``), so a
+  positive second moment could come back as 0."""
+  params = _Linear(weight=jnp.ones((4, 256)), bias=jnp.ones(256))
+  opt = jmp_lite.low_precision.quantized_adam(1e-3, kernel=kernel)
+  state = opt.init(params)
+  for _ in range(2):   # The kernels write the map init chose.
+    adam = state.inner_state[0]
+    assert not adam.nu.weight.signed and not adam.nu.bias.signed
+    assert adam.mu.weight.signed
+    _, state = jax.jit(opt.update)(params, state, params)
+
+
+def test_python_scalar_params_step_eagerly():
+  # Before: code_streams read the float's shape (AttributeError).
+  params = {"w": jnp.ones((4, 64)), "t": 1.0}
+  grads = {"w": jnp.full((4, 64), 0.1), "t": 0.5}
+  opt = jmp_lite.quantized_states(optax.adam(1e-2), block_size=32)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  assert np.isfinite(np.asarray(updates["w"])).all()
 
 
 def test_a_param_named_nu_is_not_a_second_moment():

@@ -78,13 +78,17 @@ def outlier_and_scale_max(mag: jax.Array, raw: jax.Array
   index = jax.lax.broadcasted_iota(jnp.int32, mag.shape, mag.ndim - 1)
   nan = jnp.isnan(mag)
   # Integer maxima, not any/gather: Pallas' Triton lowering has neither.
-  any_nan = jnp.max(nan.astype(jnp.int32), axis=-1, keepdims=True) > 0
+  # Of NaNs, the one with the largest bits, as outlier_and_scale's order.
+  key = jax.lax.bitcast_convert_type(mag, jnp.int32) & np.int32(0x7FFFFFFF)
+  top_key = jnp.max(key, axis=-1, keepdims=True)
+  any_nan = top_key > _INF_BITS
   top = jnp.max(jnp.where(nan, -jnp.inf, mag), axis=-1, keepdims=True)
   # Within 2**-20 and clamped into the block: XLA may compute the moment
   # for the top and for the match in two fusions, an ulp apart, and an
   # exact "==" matched nothing (the index ran past the block: a NaN
   # outlier). Any element near the top will do: the scale is the others'.
-  hit = jnp.where(any_nan, nan, mag >= top * np.float32(1 - 2**-20))
+  hit = jnp.where(any_nan, key == top_key,
+                  mag >= top * np.float32(1 - 2**-20))
   where = jnp.minimum(
       jnp.min(jnp.where(hit, index, np.int32(2**31 - 1)), axis=-1),
       mag.shape[-1] - 1)

@@ -57,7 +57,6 @@ from jmp_lite.low_precision._common import (
   F32,
 )
 from jmp_lite.low_precision._quantized import (
-  code_streams,
   quantized_states,
   QuantizedStatesState,
 )
@@ -68,6 +67,7 @@ from jmp_lite.low_precision._rounding import (
   step_key,
   stream_key,
 )
+from jmp_lite.low_precision._streams import code_streams, paired_stream
 
 _KERNELS = ("auto", "pallas", "cpu", "interpret", "xla")
 # Blocks per kernel program: 8 rows of a block each (a (8, 256) tile). With
@@ -435,14 +435,13 @@ def quantized_adam(
           f"quantized_adam: kernel={path!r} cannot take this step ({why});"
           " use kernel='auto' or 'xla'")
     adam_state, rest = state.inner_state
-    flat = jax.tree_util.tree_flatten_with_path(
-        state.inner_state, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]
-    # Each param's random stream, as the XLA path draws it: mu's (the high
-    # half of its hash; nu, after mu in Adam's state, takes the low half).
-    streams = {id(x): s[0] for (_, x), s in zip(flat, code_streams(
-        [p for p, _ in flat], [x for _, x in flat],
-        updates if params is None else params), strict=True)
-        if s is not None}
+    flat = jax.tree.leaves(state.inner_state,
+                           is_leaf=lambda x: isinstance(x, QuantizedArray))
+    # Each param's random stream, as the XLA path draws it: Adam's mu and
+    # nu mirror the params, so mu takes its high half and nu its low.
+    streams = {id(x): s for x, s in zip(flat, code_streams(
+        state.inner_state, updates if params is None else params),
+        strict=True) if s is not None}
     g_leaves, treedef = jax.tree.flatten(updates)
     mus = treedef.flatten_up_to(adam_state.mu)
     nus = treedef.flatten_up_to(adam_state.nu)
@@ -454,12 +453,12 @@ def quantized_adam(
           nu, QuantizedArray):
         u, mu, nu = _cpu_kernel.leaf_step(
             g, mu, nu, _meta(mu, nu, adam_state.count, key,
-                             streams[id(mu)]),
+                             paired_stream(streams, mu, nu)),
             adam_state.count, hyper=hyper,
             stochastic=rounding == "stochastic")
       elif isinstance(mu, QuantizedArray) and isinstance(nu, QuantizedArray):
         u, mu, nu = _fused_leaf(
-            g, mu, nu, adam_state.count, key, streams[id(mu)],
+            g, mu, nu, adam_state.count, key, paired_stream(streams, mu, nu),
             adam=adam, stochastic=rounding == "stochastic",
             interpret=path == "interpret")
       else:   # Kept as inner made it (a scalar param): plain Adam.

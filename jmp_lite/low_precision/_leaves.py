@@ -72,3 +72,34 @@ def mirrors_a_param(path: Sequence[Any], shape: tuple[int, ...],
   return any(p_shape == shape and len(p_path) <= len(path)
              and path[len(path) - len(p_path):] == p_path
              for p_path, p_shape in params)
+
+
+def mirrored_params(tree: Any, params: Any, is_leaf: Any = None
+                    ) -> list[tuple[int | None, int]]:
+  """Per leaf of ``tree`` (flattened with ``is_leaf``): the index of the
+  param it mirrors, by its place in a subtree with the params' structure
+  (Adam's ``mu`` and ``nu``), and the length of its path above that
+  subtree, which holds the state's own fields; ``(None, len(path))`` for a
+  leaf in no such subtree. By structure, not by key path: a param whose
+  path ends another's state path (an equinox head named ``mu`` beside a
+  trunk) is not mistaken for it.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from jmp_lite.low_precision._leaves import mirrored_params
+    >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    >>> mirrored_params(optax.adam(1e-3).init(params), params)
+    [(None, 2), (0, 2), (1, 2), (0, 2), (1, 2)]
+  """
+  p_def = jax.tree.structure(params)
+  mirror = lambda x: jax.tree.structure(x, is_leaf=is_leaf) == p_def
+  out: list[tuple[int | None, int]] = []
+  for path, node in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: (is_leaf is not None and is_leaf(x))
+      or mirror(x))[0]:
+    if mirror(node):
+      out.extend((i, len(path)) for i in range(p_def.num_leaves))
+    else:
+      out.append((None, len(path)))
+  return out
+

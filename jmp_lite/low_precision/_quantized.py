@@ -40,7 +40,11 @@ from jmp_lite.low_precision._common import (
   unaliased,
   upcast,
 )
-from jmp_lite.low_precision._leaves import mirrors_a_param, unsigned_leaf
+from jmp_lite.low_precision._leaves import (
+  mirrored_params,
+  mirrors_a_param,
+  unsigned_leaf,
+)
 from jmp_lite.low_precision._rounding import (
   check_seed,
   half_noise,
@@ -48,6 +52,11 @@ from jmp_lite.low_precision._rounding import (
   specs_per_leaf,
   step_key,
   stream_bits,
+)
+from jmp_lite.low_precision._streams import (
+  code_streams,
+  is_quantized,
+  param_of,
 )
 
 _BITS = (8, 4)
@@ -109,56 +118,6 @@ class QuantizedStatesState:
   config: Any = struct.field(static=True, default=None)
 
 
-def _is_quantized(x: Any) -> bool:
-  return isinstance(x, QuantizedArray)
-
-
-def _param_of(path: tuple[Any, ...], x: QuantizedArray,
-              params: list[tuple[tuple[Any, ...], Any]]) -> int | None:
-  """The index of the param a state leaf belongs to: the param whose key
-  path ends the leaf's (``0/mu/w`` ends with ``w``), the longest such match,
-  among params of the leaf's (global) shape; else the first param of that
-  shape; else ``None``."""
-  best, best_len = None, -1
-  for i, (p_path, p) in enumerate(params):
-    if tuple(p.shape) != x.shape and (*x.codes.shape[:-1],
-                                      x.shape[-1]) != tuple(p.shape):
-      continue
-    n = len(p_path)
-    if n <= len(path) and tuple(path[len(path) - n:]) == tuple(p_path) \
-        and n > best_len:
-      best, best_len = i, n
-  if best is None:
-    best = next((i for i, (_, p) in enumerate(params)
-                 if tuple(p.shape) == x.shape), None)
-  return best
-
-
-def code_streams(paths: list[Any], stored: list[Any], tree: Any
-                 ) -> list[tuple[int, int] | None]:
-  """Per stored state leaf, the random stream and half its stochastic codes
-  take (:func:`~jmp_lite.low_precision._rounding.pair_bits`), ``None`` for
-  a leaf not quantized: a param's quantized leaves, in their order in the
-  state, take the high and low halves of one stream per pair (Adam's
-  ``mu`` and ``nu`` share one hash per element). ``tree`` has the params'
-  structure (the params, or the gradients)."""
-  p_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  seen: dict[int, int] = {}
-  out: list[tuple[int, int] | None] = []
-  for n, (path, x) in enumerate(zip(paths, stored, strict=True)):
-    if not _is_quantized(x):
-      out.append(None)
-      continue
-    i = _param_of(tuple(path), x, p_leaves)
-    if i is None:   # Matched by no param: a stream of its own.
-      out.append((len(p_leaves) * (len(stored) + 1) + n, 0))
-      continue
-    slot = seen.get(i, 0)
-    seen[i] = slot + 1
-    out.append((i + len(p_leaves) * (slot // 2), slot % 2))
-  return out
-
-
 def _state_specs(specs: Any, params: Any, paths: list[Any],
                  stored: list[Any]) -> list[Any]:
   """One ``PartitionSpec`` (or ``None``) per stored state leaf: a quantized
@@ -170,7 +129,7 @@ def _state_specs(specs: Any, params: Any, paths: list[Any],
   p_specs = specs_per_leaf(specs, params, "params")
   out = []
   for path, x in zip(paths, stored, strict=True):
-    i = _param_of(tuple(path), x, p_leaves) if _is_quantized(x) else None
+    i = param_of(tuple(path), x, p_leaves) if is_quantized(x) else None
     out.append(None if i is None else p_specs[i])
   return out
 
@@ -348,14 +307,17 @@ def quantized_states(
                            seed=seed)
 
   def store(tree: Any, path: Any, x: Any, copy: bool,
-            params: list[tuple[tuple[Any, ...], tuple[int, ...]]]) -> Any:
+            params: list[tuple[tuple[Any, ...], tuple[int, ...]]],
+            above: int) -> Any:
     # Per-parameter statistics only: not a copy of the params that the
     # optimizer keeps (schedule-free's z, Prodigy's params0: computed from
     # the params' values at init), not a leaf that merely shares a shape.
     if not (_dtypes.is_floating_array(x) and x.ndim >= 1 and x.size
             and not copy and mirrors_a_param(path, tuple(x.shape), params)):
       return x
-    signed = not unsigned_leaf(tree, path, unsigned)
+    # The state's field: on the path above the params' subtree (an
+    # equinox param's own attributes, ``Linear.weight``, are not fields).
+    signed = not unsigned_leaf(tree, path[:above], unsigned)
     # Adam's zeros do not depend on the params' values: under jax.jit, XLA
     # constant-folded their quantization on its slow evaluator (73 s to
     # compile the init of 5M params). Behind a barrier it runs as one pass.
@@ -401,11 +363,12 @@ def quantized_states(
                  jax.tree_util.tree_flatten_with_path(params)[0]
                  if hasattr(x, "shape")]
     copies = iter(depends_on_inputs(inner.init, wide_params))
+    above = iter(n for _, n in mirrored_params(inner_state, params))
     return QuantizedStatesState(
         seed=jnp.asarray(seed, jnp.uint32), count=jnp.zeros((), jnp.uint32),
         inner_state=jax.tree_util.tree_map_with_path(
             lambda path, x: store(inner_state, path, x, next(copies),
-                                  params_at), inner_state),
+                                  params_at, next(above)), inner_state),
         config=config)
 
   def check_layout(x: QuantizedArray) -> None:
@@ -433,15 +396,15 @@ def quantized_states(
       # Without params, the gradients have their structure.
       check_inner_structure(
           inner, state.inner_state, updates if params is None else params,
-          "quantized_states", is_leaf=_is_quantized)
+          "quantized_states", is_leaf=is_quantized)
       flat, treedef = jax.tree_util.tree_flatten_with_path(
-          state.inner_state, is_leaf=_is_quantized)
+          state.inner_state, is_leaf=is_quantized)
       paths = [p for p, _ in flat]
       stored = [x for _, x in flat]
       for x in stored:
-        if _is_quantized(x):
+        if is_quantized(x):
           check_layout(x)
-      wide = treedef.unflatten([dequantize(x) if _is_quantized(x) else x
+      wide = treedef.unflatten([dequantize(x) if is_quantized(x) else x
                                 for x in stored])
       new_updates, new_inner = inner_update(
           upcast(updates), wide, upcast(params), **extra)
@@ -452,12 +415,12 @@ def quantized_states(
       # restored checkpoint); init takes the optimizer's.
       key = step_key(state.seed, state.count)
       leaf_specs = _state_specs(specs, params, paths, stored)
-      streams = code_streams(paths, stored,
+      streams = code_streams(state.inner_state,
                              updates if params is None else params)
       hashed: dict[Any, jax.Array] = {}
 
       def back(i: int, old: Any, new: Any) -> Any:
-        if not _is_quantized(old):
+        if not is_quantized(old):
           return new
         noise = None
         if rounding == "stochastic":
@@ -490,8 +453,8 @@ def quantized_states(
   def half_by_design(state: QuantizedStatesState) -> QuantizedStatesState:
     # The quantized leaves (codes, and scales perhaps in bfloat16) are
     # narrow on purpose and computed in float32; inner's part is inner's.
-    rest = jax.tree.map(lambda x: None if _is_quantized(x) else x,
-                        state.inner_state, is_leaf=_is_quantized)
+    rest = jax.tree.map(lambda x: None if is_quantized(x) else x,
+                        state.inner_state, is_leaf=is_quantized)
     return struct.replace(
         state, inner_state=contract.without_half_by_design(inner, rest))
 
