@@ -11,12 +11,12 @@ it takes :func:`quantized_states`' XLA path. All write the same codes,
 scales and outliers: the Pallas kernel (in Pallas' interpreter) bit for bit,
 except where a block's largest elements tie to within 2**-20 (it keeps the
 first of them as the outlier, the XLA path the largest as XLA computed it,
-which may differ by an ulp between equal inputs); the C++ kernel bit for
-bit at XLA's default flags (0 codes of 4.2M apart in the tests, JAX 0.10 to
-0.12), and under flags that make XLA contract multiply-adds otherwise to
-within one code in a few elements per million, a value a hair from a
-rounding threshold, and scales and outliers to an ulp (more, a step later,
-in a block where a code differed).
+which may differ by an ulp between equal inputs); the C++ kernel's codes
+equal them at XLA's default flags (0 of 4.2M apart in the tests, JAX 0.10
+to 0.12), under flags that make XLA contract multiply-adds otherwise to
+within one code in a few elements per million (a value a hair from a
+rounding threshold), and its scales, outliers and updates to an ulp (more,
+a step later, in a block where a code differed).
 """
 
 from __future__ import annotations
@@ -333,10 +333,10 @@ def quantized_adam(
     CPU needs it, or the C++ kernel's custom call allowed
     (``DisabledSafetyCheck.custom_call("jmp_lite_quantized_adam_cpu")``).
 
-  All paths write the same codes, scales and outliers (the C++ kernel bit
-  for bit at XLA's default flags; under other compile flags, to within one
-  code in a few elements per million, where XLA's contractions round a
-  value near a threshold the other way).
+  All paths write the same codes, scales and outliers (the C++ kernel the
+  same codes at XLA's default flags, scales and outliers to an ulp; under
+  other compile flags, codes to within one in a few elements per million,
+  where XLA's contractions round a value near a threshold the other way).
   The kernels hash
   each element's index in the whole array for its random bits; under
   ``jax.shard_map`` use :func:`quantized_states` with ``specs=``.
