@@ -2,8 +2,10 @@
 
 The bits come from a counter-based hash of (seed, step counter, leaf,
 element index) computed inside the fused update kernel: no random array is
-materialised and no key is passed per call. Under ``shard_map`` each element
-hashes its *global* index, so a sharded run draws the unsharded run's bits.
+materialised and no key is passed per call. The quantized states' codes
+hash (seed, step counter, param, element index) once for a param's two
+moments (:func:`pair_bits`). Under ``shard_map`` each element hashes its
+*global* index, so a sharded run draws the unsharded run's bits.
 """
 
 from __future__ import annotations
