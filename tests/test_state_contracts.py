@@ -412,9 +412,8 @@ def test_specs_follow_each_leafs_own_param():
                           scales=jnp.zeros((1, 1)), shape=shape)
 
   # The state's "b" leaf knows its global shape, (32, 16).
-  paths = [(jax.tree_util.GetAttrKey("mu"), jax.tree_util.DictKey(k))
-           for k in ("a", "b")]
-  got = _state_specs(specs, params, paths, [leaf((8, 16)), leaf((32, 16))])
+  got = _state_specs(specs, params, {"mu": {"a": leaf((8, 16)),
+                                            "b": leaf((32, 16))}})
   assert got == [P(), P("x")]
 
 

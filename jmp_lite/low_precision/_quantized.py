@@ -56,7 +56,7 @@ from jmp_lite.low_precision._rounding import (
 from jmp_lite.low_precision._streams import (
   code_streams,
   is_quantized,
-  param_of,
+  leaf_params,
 )
 
 _BITS = (8, 4)
@@ -118,20 +118,16 @@ class QuantizedStatesState:
   config: Any = struct.field(static=True, default=None)
 
 
-def _state_specs(specs: Any, params: Any, paths: list[Any],
-                 stored: list[Any]) -> list[Any]:
+def _state_specs(specs: Any, params: Any, inner_state: Any) -> list[Any]:
   """One ``PartitionSpec`` (or ``None``) per stored state leaf: a quantized
-  leaf takes the spec of its param, found by key path (not by shape: under
-  ``shard_map`` a replicated param and a shard of another can share one)."""
+  leaf takes the spec of its param (:func:`leaf_params`: by the state's
+  structure, else by key path; not by shape: under ``shard_map`` a
+  replicated param and a shard of another can share one)."""
   if specs is None:
-    return [None] * len(stored)
-  p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [None] * len(jax.tree.leaves(inner_state, is_leaf=is_quantized))
   p_specs = specs_per_leaf(specs, params, "params")
-  out = []
-  for path, x in zip(paths, stored, strict=True):
-    i = param_of(tuple(path), x, p_leaves) if is_quantized(x) else None
-    out.append(None if i is None else p_specs[i])
-  return out
+  return [None if i is None else p_specs[i]
+          for i in leaf_params(inner_state, params)]
 
 
 def _check_int(value: Any, what: str, low: int) -> int:
@@ -397,10 +393,8 @@ def quantized_states(
       check_inner_structure(
           inner, state.inner_state, updates if params is None else params,
           "quantized_states", is_leaf=is_quantized)
-      flat, treedef = jax.tree_util.tree_flatten_with_path(
-          state.inner_state, is_leaf=is_quantized)
-      paths = [p for p, _ in flat]
-      stored = [x for _, x in flat]
+      stored, treedef = jax.tree.flatten(state.inner_state,
+                                         is_leaf=is_quantized)
       for x in stored:
         if is_quantized(x):
           check_layout(x)
@@ -414,7 +408,7 @@ def quantized_states(
       # The state's seed: the stream it started (a vmap over seeds, a
       # restored checkpoint); init takes the optimizer's.
       key = step_key(state.seed, state.count)
-      leaf_specs = _state_specs(specs, params, paths, stored)
+      leaf_specs = _state_specs(specs, params, state.inner_state)
       streams = code_streams(state.inner_state,
                              updates if params is None else params)
       hashed: dict[Any, jax.Array] = {}

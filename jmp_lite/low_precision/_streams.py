@@ -42,6 +42,21 @@ def param_of(path: tuple[Any, ...], x: QuantizedArray,
   return best
 
 
+def leaf_params(inner_state: Any, tree: Any) -> list[int | None]:
+  """Per leaf of ``inner_state`` (flattened with quantized leaves as
+  leaves), the index of the param (a leaf of ``tree``, which has the
+  params' structure) a quantized leaf mirrors: by the state's structure
+  (:func:`mirrored_params`), else by key path (:func:`param_of`); ``None``
+  for a leaf not quantized or matched by no param."""
+  flat = jax.tree_util.tree_flatten_with_path(inner_state,
+                                              is_leaf=is_quantized)[0]
+  p_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  mirrored = mirrored_params(inner_state, tree, is_leaf=is_quantized)
+  return [None if not is_quantized(x) else
+          i if i is not None else param_of(tuple(path), x, p_leaves)
+          for (path, x), (i, _) in zip(flat, mirrored, strict=True)]
+
+
 def code_streams(inner_state: Any, tree: Any
                  ) -> list[tuple[int, int] | None]:
   """Per leaf of ``inner_state`` (flattened with quantized leaves as
@@ -50,26 +65,22 @@ def code_streams(inner_state: Any, tree: Any
   leaf not quantized: a param's quantized leaves, in their order in the
   state, take the high and low halves of one stream per pair (Adam's
   ``mu`` and ``nu`` share one hash per element). ``tree`` has the params'
-  structure (the params, or the gradients). The param a leaf mirrors is
-  found by structure (:func:`mirrored_params`), else by key path."""
-  flat = jax.tree_util.tree_flatten_with_path(inner_state,
-                                              is_leaf=is_quantized)[0]
-  p_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  mirrored = mirrored_params(inner_state, tree, is_leaf=is_quantized)
+  structure (the params, or the gradients); the params are found by
+  :func:`leaf_params`."""
+  flat = jax.tree.leaves(inner_state, is_leaf=is_quantized)
+  n_params = len(jax.tree.leaves(tree))
   seen: dict[int, int] = {}
   out: list[tuple[int, int] | None] = []
-  for n, ((path, x), (i, _)) in enumerate(zip(flat, mirrored, strict=True)):
+  for n, (x, i) in enumerate(zip(flat, leaf_params(inner_state, tree),
+                                 strict=True)):
     if not is_quantized(x):
       out.append(None)
-      continue
-    if i is None:
-      i = param_of(tuple(path), x, p_leaves)
-    if i is None:   # Matched by no param: a stream of its own.
-      out.append((len(p_leaves) * (len(flat) + 1) + n, 0))
-      continue
-    slot = seen.get(i, 0)
-    seen[i] = slot + 1
-    out.append((i + len(p_leaves) * (slot // 2), slot % 2))
+    elif i is None:   # Matched by no param: a stream of its own.
+      out.append((n_params * (len(flat) + 1) + n, 0))
+    else:
+      slot = seen.get(i, 0)
+      seen[i] = slot + 1
+      out.append((i + n_params * (slot // 2), slot % 2))
   return out
 
 
